@@ -1,0 +1,15 @@
+"""fusednorm: a torch.compile backend that fuses pre-norm cross-attention blocks into one generated CUDA kernel."""
+from __future__ import annotations
+
+from . import op as _op  # registers torch.ops.fusednorm.*
+from .op import FusedNormInputError, fused_pre_norm_cross_attn
+from .numerics import FusedNormNumericsError
+from .warn import FusedNormWarning
+
+__all__ = [
+    "fused_pre_norm_cross_attn",
+    "FusedNormInputError",
+    "FusedNormNumericsError",
+    "FusedNormWarning",
+]
+__version__ = "0.1.0"

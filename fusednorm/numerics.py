@@ -1,0 +1,20 @@
+"""The opt-in numerics check: an error that names the op when its output holds NaN or Inf."""
+from __future__ import annotations
+
+import torch
+
+
+class FusedNormNumericsError(FloatingPointError):
+    """Raised (only with check_numerics=True) when fusednorm.pre_norm_cross_attn produced NaN or Inf."""
+
+
+def numerics_error(where: str) -> FusedNormNumericsError:
+    return FusedNormNumericsError(
+        f"fusednorm.pre_norm_cross_attn: non-finite values (NaN/Inf) in the output ({where}); "
+        "check the inputs, the mask and the eps/scale arguments"
+    )
+
+
+def raise_if_not_finite(y: torch.Tensor) -> None:
+    if not bool(torch.isfinite(y).all()):
+        raise numerics_error("reference path")
