@@ -5,6 +5,9 @@ from . import op as _op  # registers torch.ops.fusednorm.*
 from .op import FusedNormInputError, fused_pre_norm_cross_attn
 from .numerics import FusedNormNumericsError
 from .warn import FusedNormWarning
+from .backend import register as _register_backend
+
+_register_backend()
 
 __all__ = [
     "fused_pre_norm_cross_attn",

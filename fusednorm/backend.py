@@ -1,0 +1,70 @@
+"""The registered backend: rewrite pre-norm cross-attention blocks, then hand the graph to Inductor (or eager).
+
+A failing pass never fails the user's model: the unfused graph is compiled instead, with one warning.
+"""
+from __future__ import annotations
+
+import itertools
+
+import torch
+import torch.fx
+
+from .options import Options
+from .report import Report
+from .warn import warn_once
+
+_graph_ids = itertools.count(1)
+last_report = Report()   # what the most recent compile did (fusednorm.explain makes its own)
+
+
+def _copy(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A GraphModule with its own graph (nodes' meta copied shallowly) over the same parameters and submodules."""
+    graph = torch.fx.Graph()
+    out = graph.graph_copy(gm.graph, {}, return_output_node=True)
+    graph.output(out[0] if isinstance(out, tuple) else out)
+    return torch.fx.GraphModule(gm, graph)
+
+
+def rewrite(gm: torch.fx.GraphModule, example_inputs, opts: Options, report: Report) -> torch.fx.GraphModule:
+    """Run the pass pipeline on a copy of gm; on any error return gm untouched and say why once."""
+    from .passes import PassContext, run_pipeline
+
+    graph_id = next(_graph_ids)
+    ctx = PassContext(options=opts, example_inputs=example_inputs, report=Report(), graph_id=graph_id)
+    try:
+        new_gm = run_pipeline(_copy(gm), ctx)
+    except Exception as e:  # a pass bug must not break the user's model
+        msg = f"fusednorm: a rewrite pass failed ({type(e).__name__}: {e}); this graph runs unfused"
+        warn_once(msg)
+        report.notes.append(msg)
+        return gm
+    report.extend(ctx.report)
+    return new_gm
+
+
+def fusednorm_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | None = None, **kwargs):
+    """torch.compile(model, backend="fusednorm", options={"compiler": "inductor"|"eager", "rewrite": bool, ...})."""
+    global last_report
+    if kwargs:
+        raise TypeError(f"fusednorm: unexpected backend arguments {sorted(kwargs)}; pass options={{...}}")
+    opts = Options.from_dict(options)
+    report = opts.report if opts.report is not None else Report()
+    if opts.report is None:
+        last_report = report
+    if opts.rewrite:
+        gm = rewrite(gm, example_inputs, opts, report)
+    if opts.compiler == "eager":
+        return gm.forward
+    from torch._inductor.compile_fx import compile_fx
+
+    return compile_fx(gm, example_inputs)
+
+
+def register() -> None:
+    """Make backend="fusednorm" resolve (the packaging entry point does this without an import, too)."""
+    from torch._dynamo.backends import registry
+
+    # Skip when already registered, or when this import is Dynamo loading our entry point (it registers next).
+    if "fusednorm" in registry._COMPILER_FNS or registry._BACKENDS.get("fusednorm") is not None:
+        return
+    registry.register_backend(fusednorm_backend, name="fusednorm")

@@ -1,0 +1,1 @@
+"""Seeing what fusednorm did: the explain report, numbered dumps, MLIR."""

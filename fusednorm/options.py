@@ -1,0 +1,32 @@
+"""Backend options: torch.compile(model, backend="fusednorm", options={...})."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields
+from typing import Any
+
+COMPILERS = ("inductor", "eager")
+
+
+@dataclass
+class Options:
+    compiler: str = "inductor"    # what compiles the rest of the graph: "inductor" or "eager"
+    rewrite: bool = True          # False: fusednorm rewrites nothing (the graph goes to the compiler as it is)
+    dump_dir: str | None = None   # write numbered dumps of every compiled graph here (env FUSEDNORM_DUMP too)
+    sm_count: int | None = None   # bound the fused kernels' persistent grid to this many SMs
+    check_numerics: bool = False  # fused kernels flag NaN/Inf in their output and the op raises
+    report: Any = None            # a fusednorm.report.Report to fill (used by fusednorm.explain)
+
+    @classmethod
+    def from_dict(cls, options: dict | None) -> "Options":
+        options = dict(options or {})
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise ValueError(f"fusednorm: unknown backend option(s) {unknown}; known: {sorted(known - {'report'})}")
+        opts = cls(**options)
+        if opts.compiler not in COMPILERS:
+            raise ValueError(f"fusednorm: option compiler={opts.compiler!r}; expected one of {COMPILERS}")
+        if opts.dump_dir is None and os.environ.get("FUSEDNORM_DUMP"):
+            opts.dump_dir = os.environ["FUSEDNORM_DUMP"]
+        return opts
