@@ -15,7 +15,8 @@ from fusednorm.report import Report
 
 def build(device: str, dtype: torch.dtype):
     config = WhisperConfig(
-        vocab_size=1000, num_mel_bins=80, d_model=256,
+        vocab_size=1000, pad_token_id=0, bos_token_id=1, eos_token_id=2, decoder_start_token_id=1,
+        num_mel_bins=80, d_model=256,
         encoder_layers=2, encoder_attention_heads=4, encoder_ffn_dim=512,
         decoder_layers=2, decoder_attention_heads=4, decoder_ffn_dim=512,
         max_source_positions=1500, max_target_positions=448, attn_implementation="sdpa",

@@ -6,6 +6,8 @@ from .op import FusedNormInputError, fused_pre_norm_cross_attn
 from .numerics import FusedNormNumericsError
 from .warn import FusedNormWarning
 from .backend import register as _register_backend
+from .explain import ExplainError, explain
+from .patterns.registry import register_pattern, unregister_pattern
 
 _register_backend()
 
@@ -14,5 +16,9 @@ __all__ = [
     "FusedNormInputError",
     "FusedNormNumericsError",
     "FusedNormWarning",
+    "explain",
+    "ExplainError",
+    "register_pattern",
+    "unregister_pattern",
 ]
 __version__ = "0.1.0"

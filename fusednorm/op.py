@@ -163,12 +163,13 @@ def pre_norm_cross_attn_backward(
 
     # torch.func.vjp, not torch.autograd.grad: an op's impl runs below the autograd dispatch key
     _, vjp = torch.func.vjp(forward, *present)
-    return list(vjp(grad_y))
+    return [g.contiguous() for g in vjp(grad_y)]  # contiguous, as the fake impl says (k/v may be strided views)
 
 
 @pre_norm_cross_attn_backward.register_fake
 def _backward_fake(grad_y, x, k, v, gamma, beta, wq, bq, wo, bo, mask, norm, eps, scale):
-    return [torch.empty_like(t) for t in (x, k, v, gamma, beta, wq, bq, wo, bo) if t is not None]
+    return [torch.empty(t.shape, dtype=t.dtype, device=t.device)
+            for t in (x, k, v, gamma, beta, wq, bq, wo, bo) if t is not None]
 
 
 def _setup_context(ctx, inputs, output):

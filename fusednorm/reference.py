@@ -75,18 +75,7 @@ def reference_pre_norm_cross_attn(
     q = q.view(B, Lq, H, d).transpose(1, 2)
 
     # a = softmax(q @ k^T * scale + mask) @ v; fully masked rows give 0
-    s = (q @ kf.transpose(-1, -2)) * (d ** -0.5 if scale is None else scale)
-    if mask is not None:
-        if mask.dtype == torch.bool:
-            s = s.masked_fill(~mask, -math.inf)
-        else:
-            s = s + up(mask)
-    row_max = s.amax(-1, keepdim=True)
-    row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
-    p = torch.exp(s - row_max)
-    row_sum = p.sum(-1, keepdim=True)
-    p = torch.where(row_sum > 0, p / row_sum, torch.zeros_like(p))
-    a = p @ vf
+    a = attention(q, kf, vf, mask, scale)
 
     # o = a viewed as [B, Lq, H*d]; y = x + (o @ Wo^T + bo)
     o = a.transpose(1, 2).reshape(B, Lq, H * d)
@@ -95,3 +84,20 @@ def reference_pre_norm_cross_attn(
     if bo is not None:
         o = o + up(bo)
     return (xf + o).to(x.dtype)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+              scale: float | None) -> torch.Tensor:
+    """softmax(q @ k^T * scale + mask) @ v over [B, H, L, d] in q's dtype; fully masked rows give 0, not NaN."""
+    s = (q @ k.transpose(-1, -2)) * (q.shape[-1] ** -0.5 if scale is None else scale)
+    if mask is not None:
+        if mask.dtype == torch.bool:
+            s = s.masked_fill(~mask, -math.inf)
+        else:
+            s = s + mask.to(q.dtype)
+    row_max = s.amax(-1, keepdim=True)
+    row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+    p = torch.exp(s - row_max)
+    row_sum = p.sum(-1, keepdim=True)
+    p = torch.where(row_sum > 0, p / row_sum, torch.zeros_like(p))
+    return p @ v

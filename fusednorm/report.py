@@ -17,7 +17,6 @@ class MatchRecord:
     summary: dict[str, Any]           # the fused op's arguments in brief: shapes, dtypes, norm, projections, mask
     runs: str = ""                    # what runs it: a kernel key, a plan, "reference", or "left to the compiler"
     graph: int = 0                    # which compiled graph (Dynamo may split a model into several)
-    node: str = ""                    # the fused node's name in the rewritten graph (find it in the dumps)
 
 
 @dataclass

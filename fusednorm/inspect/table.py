@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import re
 
 from ..report import jsonable
 
@@ -19,13 +20,15 @@ def format_table(headers: list[str], rows: list[list[str]], indent: str = "  ") 
     return out
 
 
+_LOCATION = re.compile(r"^(.*?):(\d+)(.*)$")
+
+
 def short_location(location: str) -> str:
-    """'file:line' shortened for reading: relative to the working directory, or from site-packages on."""
+    """'file:line ...' shortened for reading: the path relative to the working directory, or from site-packages on."""
     if not location:
         return "?"
-    path, sep, line = location.rpartition(":")
-    if not sep or not line.isdigit():
-        path, line = location, ""
+    found = _LOCATION.match(location)
+    path, line, rest = found.groups() if found else (location, "", "")
     marker = "site-packages" + os.sep
     if marker in path:
         path = path.split(marker, 1)[1]
@@ -36,7 +39,7 @@ def short_location(location: str) -> str:
                 path = rel
         except ValueError:   # another drive on Windows
             pass
-    return f"{path}:{line}" if line else path
+    return (f"{path}:{line}" if line else path) + rest
 
 
 def brief(value) -> str:

@@ -17,6 +17,7 @@ class PassContext:
     report: Report
     graph_id: int = 0
     matches: list[Any] = field(default_factory=list)   # filled by the match pass, consumed by the rewrite pass
+    failures: dict[Any, list[Any]] = field(default_factory=dict)  # residual add -> why patterns failed there
 
     def after_pass(self, index: int, name: str, gm: torch.fx.GraphModule) -> None:
         """Numbered dump after each pass (a no-op unless dumps are on)."""

@@ -1,0 +1,213 @@
+"""Generated CUDA kernels for the projection-free fused op: spec -> render -> NVRTC -> disk cache -> launch.
+
+``why_no_kernel`` says (from shapes, dtypes, strides and device alone, so FakeTensors work) whether a kernel
+covers a call; ``run_kernel`` runs it. Float32/float64 inputs, head dims outside ``spec.HEAD_DIMS`` and GPUs older
+than sm_80 get a reason, and the dispatcher runs the reference implementation instead.
+"""
+from __future__ import annotations
+
+import math
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from . import launch as _launch
+from . import select as _select
+from .cache import get_kernel
+from .spec import HEAD_DIMS, TILE_ROLES, KernelSpec, tile_for
+
+__all__ = ["why_no_kernel", "run_kernel"]
+
+_KERNEL_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+_INT32_MAX = 2**31 - 1
+
+# Debug setting for tests: fill the output with NaN before each launch, so that an unwritten element shows.
+poison_outputs = False
+
+_capability: dict[int, tuple[int, int]] = {}
+
+
+def _device_capability(index: int) -> tuple[int, int]:
+    cap = _capability.get(index)
+    if cap is None:
+        cap = _capability[index] = torch.cuda.get_device_capability(index)
+    return cap
+
+
+def why_no_kernel(x, k, v, gamma, beta, mask, norm) -> str | None:
+    """None when a generated kernel runs these inputs, else the reason in words."""
+    if x.device.type != "cuda":
+        return f"x is on {x.device}, not on a CUDA device"
+    if x.dtype not in _KERNEL_DTYPES:
+        return f"generated kernels cover float16 and bfloat16, not {x.dtype}"
+    if norm not in ("layer", "rms"):
+        return f"unknown norm kind {norm!r}"
+    B, Lq, D = x.shape
+    _, H, Lk, d = k.shape
+    if d not in HEAD_DIMS:
+        return f"head dim {d} is not one of the generated head dims {HEAD_DIMS}"
+    if min(B, Lq, Lk, H) == 0:
+        return "an input is empty"
+    if max(B * Lq * H, Lq, Lk, D) > _INT32_MAX:
+        return "sizes past the kernel's 32-bit counters"
+    for name, t in (("gamma", gamma), ("beta", beta)):
+        if t is not None and not t.dtype.is_floating_point:
+            return f"{name} is not floating point"
+    if mask is not None and not (mask.dtype == torch.bool or mask.dtype.is_floating_point):
+        return f"mask dtype {mask.dtype} is neither bool nor floating"
+    if torch.cuda.is_available():
+        index = x.device.index if x.device.index is not None else torch.cuda.current_device()
+        major, minor = _device_capability(index)
+        if major < 8:
+            return f"the GPU is sm_{major}{minor}; generated kernels need sm_80 or newer (bf16 mma, cp.async)"
+    return None
+
+
+# ---- kernel families: all tile roles of one spec, compiled together the first time they are needed ----
+
+_families: dict[tuple, dict[str, "_launch.LoadedKernel"]] = {}
+_family_lock = threading.Lock()
+
+
+def _family(dtype: str, d: int, norm: str, has_gamma: bool, has_beta: bool, affine_f32: bool, mask_kind: str,
+            mask_f32: bool, arch: int, check: bool, device_index: int):
+    fkey = (dtype, d, norm, has_gamma, has_beta, affine_f32, mask_kind, mask_f32, arch, check, device_index)
+    fam = _families.get(fkey)
+    if fam is not None:
+        return fam
+    with _family_lock:
+        fam = _families.get(fkey)
+        if fam is None:
+            specs = {role: KernelSpec(dtype, d, norm, has_gamma, has_beta, affine_f32, mask_kind, mask_f32,
+                                      tile_for(role, d), arch, check) for role in TILE_ROLES}
+            with ThreadPoolExecutor(len(specs)) as pool:
+                compiled = dict(zip(specs, pool.map(get_kernel, specs.values())))
+            fam = {role: _launch.load(compiled[role], device_index) for role in specs}
+            _families[fkey] = fam
+    return fam
+
+
+# ---- per-call preparation ----
+
+_flags: dict[int, torch.Tensor] = {}
+_plans: dict[tuple, "_select.LaunchPlan"] = {}
+_sm_counts: dict[int, int] = {}
+
+
+def _fast_operand(t: torch.Tensor, what: str) -> torch.Tensor:
+    """k/v as the kernel reads them: last dim contiguous, 16-byte aligned rows. Otherwise a contiguous copy."""
+    s = t.stride()
+    if s[3] == 1 and s[0] % 8 == 0 and s[1] % 8 == 0 and s[2] % 8 == 0 and t.data_ptr() % 16 == 0:
+        return t
+    from ..warn import warn_once
+
+    warn_once(f"fusednorm: {what} is not laid out for 16-byte loads (strides {tuple(t.stride())}); "
+              "copying it to a contiguous tensor on every call")
+    return t.contiguous()
+
+
+def _param_vector(t: torch.Tensor | None, x_dtype: torch.dtype):
+    """gamma/beta as the kernel reads them: x's dtype or fp32, contiguous, 16-byte aligned."""
+    if t is None:
+        return None
+    if t.dtype not in (x_dtype, torch.float32):
+        t = t.float()
+    if not t.is_contiguous() or t.data_ptr() % 16 != 0:
+        t = t.contiguous().clone()
+    return t
+
+
+def _prepare_mask(mask: torch.Tensor, x_dtype, B: int, H: int, Lq: int, Lk: int):
+    """(tensor, kind, is_f32, (s_b, s_h, s_q)) with keys contiguous and size-1 dims broadcast through stride 0."""
+    if mask.dtype == torch.bool:
+        kind, is_f32 = "bool", False
+    else:
+        kind = "add"
+        if mask.dtype not in (x_dtype, torch.float32):
+            mask = mask.float()
+        is_f32 = mask.dtype == torch.float32
+    while mask.dim() < 4:
+        mask = mask.unsqueeze(0)
+    if mask.shape[-1] != Lk or (mask.stride(-1) != 1 and Lk > 1):
+        mask = mask.expand(*mask.shape[:-1], Lk).contiguous()
+    strides = tuple(0 if mask.shape[i] == 1 else mask.stride(i) for i in range(3))
+    return mask, kind, is_f32, strides
+
+
+def run_kernel(x, k, v, gamma, beta, mask, norm, eps, scale, sm_count, check_numerics):
+    """y = x + MHA(norm(x) split into heads, k, v) with the generated kernel (inputs already validated)."""
+    device_index = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    if device_index != torch.cuda.current_device():
+        with torch.cuda.device(device_index):
+            return run_kernel(x, k, v, gamma, beta, mask, norm, eps, scale, sm_count, check_numerics)
+    B, Lq, D = x.shape
+    _, H, Lk, d = k.shape
+    if not x.is_contiguous() or x.data_ptr() % 16 != 0:
+        x = x.contiguous() if not x.is_contiguous() else x.clone()
+    k = _fast_operand(k, "k")
+    v = _fast_operand(v, "v")
+    gamma = _param_vector(gamma, x.dtype)
+    beta = _param_vector(beta, x.dtype)
+    affine = gamma if gamma is not None else beta
+    affine_f32 = affine is not None and affine.dtype == torch.float32
+    if gamma is not None and beta is not None and gamma.dtype != beta.dtype:
+        gamma, beta, affine_f32 = gamma.float(), beta.float(), True
+    if mask is not None:
+        mask, mask_kind, mask_f32, m_strides = _prepare_mask(mask, x.dtype, B, H, Lq, Lk)
+    else:
+        mask_kind, mask_f32, m_strides = "none", False, (0, 0, 0)
+
+    major, minor = _device_capability(device_index)
+    fam = _family(_KERNEL_DTYPES[x.dtype], d, norm, gamma is not None, beta is not None, affine_f32, mask_kind,
+                  mask_f32, major * 10 + minor, bool(check_numerics), device_index)
+
+    sms = _sm_counts.get(device_index)
+    if sms is None:
+        sms = _sm_counts[device_index] = torch.cuda.get_device_properties(device_index).multi_processor_count
+    sms = sms if sm_count is None else max(1, min(int(sm_count), sms))
+    role = _select.tile_role(Lq, Lk)
+    kernel = fam[role]
+    pkey = (role, id(kernel), B, Lq, Lk, H, sms)
+    plan = _plans.get(pkey)
+    if plan is None:
+        if len(_plans) > 4096:
+            _plans.clear()
+        plan = _plans[pkey] = _select.plan_launch(role, kernel.spec.tile, B, Lq, Lk, H, d, sms, kernel.ctas_per_sm)
+
+    y = torch.empty_like(x, memory_format=torch.contiguous_format)
+    if poison_outputs:
+        y.fill_(float("nan"))
+    flag = None
+    if check_numerics:
+        flag = _flags.get(device_index)
+        if flag is None:
+            flag = _flags[device_index] = torch.zeros(1, dtype=torch.int32, device=x.device)
+    ks, vs = k.stride(), v.stride()
+    scale_log2 = (d ** -0.5 if scale is None else float(scale)) * 1.4426950408889634
+    params = _launch.PARAMS.pack(
+        x.data_ptr(), y.data_ptr(), k.data_ptr(), v.data_ptr(),
+        gamma.data_ptr() if gamma is not None else 0, beta.data_ptr() if beta is not None else 0,
+        mask.data_ptr() if mask is not None else 0, flag.data_ptr() if flag is not None else 0,
+        ks[0], ks[1], ks[2], vs[0], vs[1], vs[2], m_strides[0], m_strides[1], m_strides[2],
+        B, Lq, Lk, H, D, plan.heads_per_item, plan.head_groups, plan.row_blocks, plan.items,
+        float(eps), scale_log2)
+    _launch.launch(kernel, plan.grid, params, torch.cuda.current_stream(device_index).cuda_stream)
+
+    if check_numerics:
+        _raise_if_flagged(flag, kernel.spec.key)
+    return y
+
+
+def _raise_if_flagged(flag: torch.Tensor, key: str) -> None:
+    if torch.cuda.is_current_stream_capturing():
+        from ..warn import warn_once
+
+        warn_once("fusednorm: check_numerics cannot read its flag while a CUDA graph is being captured; "
+                  "the check is skipped for captured calls")
+        return
+    if int(flag.item()) != 0:  # .item() waits for the stream
+        flag.zero_()
+        from ..numerics import numerics_error
+
+        raise numerics_error(f"generated kernel {key}")

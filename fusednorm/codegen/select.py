@@ -1,0 +1,63 @@
+"""Run-time choice among a spec's few compiled tile configurations, and the persistent grid for one call.
+
+Nothing here compiles: every role of a spec family is compiled together the first time the family is met, so a
+new B, Lq or Lk only changes this choice. ``force_role`` pins the role (benchmarks compare the roles with it).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .spec import TileConfig
+
+force_role: str | None = None  # "short" | "base" | "long" | None (automatic)
+
+
+def tile_role(q_len: int, kv_len: int) -> str:
+    """Which tile configuration suits these lengths."""
+    if force_role is not None:
+        return force_role
+    if q_len <= 16:
+        return "short"  # too few query rows to fill warps: split the keys between warps instead
+    if q_len >= 128 and kv_len >= 256:
+        return "long"   # tensor-core bound: more query rows per warp reuse each K/V fragment more
+    return "base"
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    role: str
+    heads_per_item: int
+    head_groups: int
+    row_blocks: int
+    items: int
+    grid: int
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def plan_launch(role: str, tile: TileConfig, batch: int, q_len: int, kv_len: int, heads: int, head_dim: int,
+                sm_count: int, ctas_per_sm: int) -> LaunchPlan:
+    """Pick G (heads per work item) and the persistent grid.
+
+    A work item is (batch, block of query rows, group of G heads). Larger G reads each x row fewer times for the
+    statistics; smaller G makes more items when B * row_blocks alone cannot fill the GPU (decode). The cost model
+    counts waves of items over the SMs, each item costing G heads of work plus one statistics pass over D.
+    """
+    row_blocks = _cdiv(q_len, tile.block_m)
+    slots = sm_count * min(ctas_per_sm, 2)  # beyond ~2 CTAs per SM, extra CTAs mostly share the same bandwidth
+    head_cost = head_dim * (2.0 + kv_len / 16.0)
+    stats_cost = float(heads * head_dim)
+    best = None
+    for g in range(1, heads + 1):
+        groups = _cdiv(heads, g)
+        if g > 1 and _cdiv(heads, g - 1) == groups:
+            continue  # same number of groups as a smaller G: keep the most even split
+        items = batch * row_blocks * groups
+        cost = _cdiv(items, slots) * (g * head_cost + stats_cost)
+        if best is None or cost < best[0] or (cost == best[0] and g > best[1]):
+            best = (cost, g, groups, items)
+    _, g, groups, items = best
+    grid = min(items, sm_count * ctas_per_sm)
+    return LaunchPlan(role, g, groups, row_blocks, items, grid)

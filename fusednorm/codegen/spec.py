@@ -1,0 +1,169 @@
+"""What a generated kernel is specialised on, and nothing else.
+
+A ``KernelSpec`` holds every property that changes the generated code: element type, head dim, norm kind and its
+affine parameters, mask kind, tile configuration, GPU arch and the numerics check. Batch, query length and key
+length are never part of it: they are run-time arguments, and ``select.py`` picks among the few tile
+configurations of a spec at run time. ``spec.key`` is one readable string that names the kernel, its cache entry
+and its log lines, e.g. ``pnca_bf16_d64_layer_gb_mbool_t64x64_sm90``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+DTYPES = ("bf16", "fp16")
+HEAD_DIMS = (32, 40, 64, 80, 96, 128, 256)
+MASK_KINDS = ("none", "bool", "add")
+ARCHS = (80, 90)  # what CI compiles for; any sm_8x / sm_9x device gets its own arch at run time
+
+# Tile configurations are named by the query rows they cover at once (the seed's 128/256/512 idea, scaled to the
+# lengths cross-attention meets): "short" for a handful of query rows (decode), "base", and "long".
+TILE_ROLES = ("short", "base", "long")
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    warps: int       # warps per CTA
+    m_tiles: int     # 16-row m-tiles per warp
+    block_n: int     # keys per warp per pipeline step
+    key_split: int   # 1, or == warps: the warps share one m-tile and split each K/V stage between them
+    stages: int      # cp.async pipeline depth
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.warps
+
+    @property
+    def rows_per_warp(self) -> int:
+        return 16 * self.m_tiles
+
+    @property
+    def block_m(self) -> int:
+        """Query rows per CTA work item."""
+        return self.rows_per_warp if self.key_split > 1 else self.warps * self.rows_per_warp
+
+    @property
+    def kv_rows(self) -> int:
+        """Keys per pipeline stage."""
+        return self.block_n * self.key_split
+
+    @property
+    def token(self) -> str:
+        t = f"t{self.block_m}x{self.block_n}"
+        if self.warps != 4:
+            t += f"w{self.warps}"
+        if self.key_split > 1:
+            t += f"k{self.key_split}"
+        if self.stages != 2:
+            t += f"s{self.stages}"
+        return t
+
+
+def tile_for(role: str, head_dim: int) -> TileConfig:
+    """The tile configuration a role gets for a head dim (register and shared-memory budgets decide; every one
+    fits the 163 KB an sm_80 CTA may use)."""
+    if role == "short":  # keys split between warps; deep pipeline, since decode only streams K/V
+        if head_dim > 128:
+            return TileConfig(warps=2, m_tiles=1, block_n=16, key_split=2, stages=2)
+        return TileConfig(warps=4, m_tiles=1, block_n=16, key_split=4, stages=4 if head_dim <= 80 else 2)
+    if role == "base":
+        return TileConfig(warps=4, m_tiles=1, block_n=16 if head_dim > 128 else 64, key_split=1, stages=2)
+    if role == "long":
+        if head_dim <= 64:
+            return TileConfig(warps=4, m_tiles=2, block_n=64, key_split=1, stages=2)
+        if head_dim > 128:
+            return tile_for("base", head_dim)
+        return TileConfig(warps=8, m_tiles=1, block_n=32 if head_dim > 96 else 64, key_split=1, stages=2)
+    raise ValueError(f"fusednorm: unknown tile role {role!r}; expected one of {TILE_ROLES}")
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    dtype: str              # "bf16" | "fp16": x, k, v, y
+    head_dim: int
+    norm: str               # "layer" | "rms"
+    has_gamma: bool
+    has_beta: bool
+    affine_f32: bool        # gamma/beta stored as fp32 (else as dtype)
+    mask: str               # "none" | "bool" (True = attend) | "add"
+    mask_f32: bool          # additive mask stored as fp32 (else as dtype)
+    tile: TileConfig
+    arch: int               # 80, 86, 89, 90, ...
+    check_numerics: bool
+
+    def __post_init__(self):
+        if self.dtype not in DTYPES:
+            raise ValueError(f"fusednorm: kernel dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.head_dim not in HEAD_DIMS:
+            raise ValueError(f"fusednorm: head dim must be one of {HEAD_DIMS}, got {self.head_dim}")
+        if self.norm not in ("layer", "rms"):
+            raise ValueError(f"fusednorm: norm must be 'layer' or 'rms', got {self.norm!r}")
+        if self.norm == "rms" and self.has_beta:
+            raise ValueError("fusednorm: an RMS norm has no beta")
+        if self.mask not in MASK_KINDS:
+            raise ValueError(f"fusednorm: mask kind must be one of {MASK_KINDS}, got {self.mask!r}")
+        # canonical forms, so that equal code means an equal key
+        if not (self.has_gamma or self.has_beta) and self.affine_f32:
+            object.__setattr__(self, "affine_f32", False)
+        if self.mask != "add" and self.mask_f32:
+            object.__setattr__(self, "mask_f32", False)
+
+    @property
+    def q_in_smem(self) -> bool:
+        """Q fragments stay in shared memory when holding them in registers would cost more than 32 per thread,
+        or when two m-tiles per warp meet a mask (whose loads need the registers)."""
+        q_regs = self.tile.m_tiles * ((self.head_dim + 15) // 16) * 4
+        return q_regs > 32 or (self.tile.m_tiles > 1 and self.mask != "none")
+
+    @property
+    def min_ctas_per_sm(self) -> int:
+        """__launch_bounds__ minimum: the memory-bound small-head base tile is worth the 3 CTAs per SM its shared
+        memory allows (<= 168 registers); elsewhere the compiler may use what it needs."""
+        t = self.tile
+        if t.key_split == 1 and t.m_tiles == 1 and t.warps == 4 and self.head_dim <= 64:
+            return 3
+        return 1
+
+    @property
+    def key(self) -> str:
+        affine = ("g" if self.has_gamma else "") + ("b" if self.has_beta else "") or "noaff"
+        if self.affine_f32:
+            affine += "32"
+        mask = {"none": "mnone", "bool": "mbool", "add": "madd32" if self.mask_f32 else "madd"}[self.mask]
+        key = (f"pnca_{self.dtype}_d{self.head_dim}_{self.norm}_{affine}_{mask}_{self.tile.token}"
+               f"_sm{self.arch}")
+        return key + "_chk" if self.check_numerics else key
+
+    def with_tile(self, tile: TileConfig) -> "KernelSpec":
+        return replace(self, tile=tile)
+
+    def smem_bytes(self) -> int:
+        """Dynamic shared memory per CTA; mirrors the carve-up at the top of templates/pnca.cu."""
+        t = self.tile
+        pad = (self.head_dim + 15) // 16 * 16
+        row_stride = pad + 8
+        kv = 2 * t.stages * t.kv_rows * row_stride * 2
+        q = t.warps * t.rows_per_warp * row_stride * 2
+        x_slots = t.stages * t.block_m * row_stride * 2
+        stats = t.warps * t.rows_per_warp * 2 * 4
+        combine = t.warps * 16 * (self.head_dim + 2) * 4 if t.key_split > 1 else 0
+        return kv + q + x_slots + stats + combine
+
+
+def supported_grid(archs=ARCHS):
+    """Specs CI compiles: every (dtype, head dim, tile role, arch) with the heaviest options (LayerNorm with fp32
+    gamma and beta, fp32 additive mask, numerics check), plus each lighter option value at least once per
+    (dtype, head dim) on the base tile."""
+    specs = {}
+    for arch in archs:
+        for dtype in DTYPES:
+            for d in HEAD_DIMS:
+                for role in TILE_ROLES:
+                    s = KernelSpec(dtype, d, "layer", True, True, True, "add", True, tile_for(role, d), arch, True)
+                    specs[s.key] = s  # roles that share a tile (d = 256) share the kernel
+                base = tile_for("base", d)
+                for s in (KernelSpec(dtype, d, "rms", True, False, False, "bool", False, base, arch, False),
+                          KernelSpec(dtype, d, "layer", False, False, False, "add", False, base, arch, False),
+                          KernelSpec(dtype, d, "layer", True, True, False, "none", False, tile_for("short", d),
+                                     arch, False)):
+                    specs[s.key] = s
+    return list(specs.values())

@@ -1,0 +1,116 @@
+// Device helpers shared by fusednorm's generated kernels.
+// NVRTC runs without an include path, so the few 16-bit float conversions and the tensor-core / async-copy
+// instructions are written here as small inline-PTX helpers instead of coming from cuda_bf16.h / cuda_fp16.h.
+// Needs: ELEM_IS_BF16 (constexpr bool) declared before this file.
+
+typedef unsigned char u8;
+typedef unsigned short u16;
+typedef unsigned int u32;
+typedef unsigned long long u64;
+
+struct __align__(16) u32x4 { u32 x, y, z, w; };
+struct __align__(16) f32x4 { float x, y, z, w; };
+
+#define FN_INLINE __device__ __forceinline__
+#define FULL_WARP 0xffffffffu
+#define LOG2E_F 1.4426950408889634f
+
+// ---- 16-bit float <-> fp32 (bf16 or fp16, picked at compile time) ----
+
+FN_INLINE float elem_to_f32(u16 bits) {
+  if constexpr (ELEM_IS_BF16) {
+    return __uint_as_float(((u32)bits) << 16);  // bf16 is the top half of an fp32
+  } else {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(bits));
+    return f;
+  }
+}
+
+// Two fp32 values -> one register of two 16-bit floats (round to nearest even); lo lands in the low half,
+// which is the lower column / key index in every mma fragment.
+FN_INLINE u32 pack2_elem(float lo, float hi) {
+  u32 r;
+  if constexpr (ELEM_IS_BF16) {
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  } else {
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  }
+  return r;
+}
+
+FN_INLINE float lo_to_f32(u32 pair) { return elem_to_f32((u16)(pair & 0xffffu)); }
+FN_INLINE float hi_to_f32(u32 pair) { return elem_to_f32((u16)(pair >> 16)); }
+
+// True when either half of a packed pair is Inf or NaN (all exponent bits set).
+FN_INLINE bool pair_not_finite(u32 pair) {
+  const u32 exp_mask = ELEM_IS_BF16 ? 0x7f807f80u : 0x7c007c00u;
+  const u32 e = pair & exp_mask;
+  return (e & 0xffffu) == (exp_mask & 0xffffu) || (e >> 16) == (exp_mask >> 16);
+}
+
+// ---- memory ----
+
+// The compiler folds this builtin into 32-bit shared-window arithmetic (an inline-PTX cvta would not fold).
+FN_INLINE u32 smem_addr(const void* p) { return (u32)__cvta_generic_to_shared(p); }
+
+// 16-byte global -> shared copy that bypasses L1; src_bytes == 0 fills the 16 bytes with zeros.
+FN_INLINE void cp_async16(u32 dst, const void* src, int src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
+}
+FN_INLINE void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+FN_INLINE void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
+
+FN_INLINE u32x4 ld_global16(const void* p) { return *reinterpret_cast<const u32x4*>(p); }
+
+// The output is written once and not read again by this kernel: evict-first keeps x and K/V in L2.
+FN_INLINE void st_global16_stream(void* p, u32x4 v) {
+  asm volatile("st.global.cs.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w));
+}
+
+// ---- tensor cores ----
+
+FN_INLINE void ldmatrix_x4(u32 (&r)[4], u32 addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+FN_INLINE void ldmatrix_x4_trans(u32 (&r)[4], u32 addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+FN_INLINE void ldmatrix_x2_trans(u32& r0, u32& r1, u32 addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0, %1}, [%2];\n"
+               : "=r"(r0), "=r"(r1)
+               : "r"(addr));
+}
+
+// D += A(16x16, row) * B(16x8, col), fp32 accumulate. Registers only, so not volatile: the compiler may schedule it.
+FN_INLINE void mma_16816(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+  if constexpr (ELEM_IS_BF16) {
+    asm(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  } else {
+    asm(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+}
+
+// ---- math ----
+
+// 2^x with the MUFU unit; ex2.approx(-inf) is +0, which the masked softmax relies on.
+FN_INLINE float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+FN_INLINE float neg_inf() { return __uint_as_float(0xff800000u); }

@@ -1,0 +1,264 @@
+"""The generated kernel against a float64 reference on a CUDA GPU (skipped cleanly without one).
+
+Every check draws fresh random inputs, poisons the output with NaN before the launch, and requires the fused
+result's relative L2 error to stay within 2x eager PyTorch's error in the same dtype (eager = norm + SDPA + add).
+"""
+from __future__ import annotations
+
+import itertools
+import os
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytestmark = pytest.mark.gpu
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+
+import fusednorm  # noqa: E402
+from fusednorm import codegen  # noqa: E402
+from fusednorm.codegen import cache, launch, select  # noqa: E402
+from fusednorm.codegen.spec import HEAD_DIMS, TILE_ROLES, KernelSpec, tile_for  # noqa: E402
+from fusednorm.reference import reference_pre_norm_cross_attn  # noqa: E402
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+NORMS = ("layer_affine", "layer_plain", "rms")
+MASKS = ("none", "bool", "add")
+Q_LENS = (1, 3, 127, 129)
+K_LENS = (1, 77, 1500)
+DEV = "cuda"
+
+
+@pytest.fixture(autouse=True)
+def poisoned_outputs():
+    codegen.poison_outputs = True
+    yield
+    codegen.poison_outputs = False
+
+
+def _arch():
+    major, minor = torch.cuda.get_device_capability()
+    return major * 10 + minor
+
+
+def _family_specs(dtype, d, norm_variant, mask, mask_f32=False, check=False):
+    norm = "rms" if norm_variant == "rms" else "layer"
+    has_g = norm_variant in ("layer_affine", "rms")
+    has_b = norm_variant == "layer_affine"
+    kind = "none" if mask == "none" else ("bool" if mask == "bool" else "add")
+    return [KernelSpec(dtype, d, norm, has_g, has_b, False, kind, mask_f32, tile_for(r, d), _arch(), check)
+            for r in TILE_ROLES]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def compiled_kernels():
+    """Compile every kernel this file needs up front, in parallel, so the cases themselves only launch."""
+    specs = []
+    for dtype, d, norm, mask in itertools.product(DTYPES, HEAD_DIMS, NORMS, MASKS):
+        specs += _family_specs(dtype, d, norm, mask)
+    specs += _family_specs("bf16", 64, "layer_affine", "none", check=True)
+    specs += _family_specs("bf16", 64, "layer_affine", "add", mask_f32=True)
+    with ThreadPoolExecutor(max(2, os.cpu_count() or 2)) as pool:
+        list(pool.map(cache.get_kernel, specs))
+
+
+# ---- inputs, reference, eager ----
+
+def make_inputs(dtype, B, Lq, Lk, H, d, norm_variant="layer_affine", mask="none", gen=None, mask_dtype=None):
+    """Random inputs as real models hand them over: k/v are [B, Lk, H, d] tensors viewed as [B, H, Lk, d]."""
+    D = H * d
+    x = (torch.randn(B, Lq, D, device=DEV, generator=gen) * 1.5 + 0.3).to(dtype)
+    k = torch.randn(B, Lk, H, d, device=DEV, generator=gen).to(dtype).transpose(1, 2)
+    v = torch.randn(B, Lk, H, d, device=DEV, generator=gen).to(dtype).transpose(1, 2)
+    gamma = beta = None
+    if norm_variant in ("layer_affine", "rms"):
+        gamma = (1 + 0.2 * torch.randn(D, device=DEV, generator=gen)).to(dtype)
+    if norm_variant == "layer_affine":
+        beta = (0.1 * torch.randn(D, device=DEV, generator=gen)).to(dtype)
+    m = None
+    if mask == "bool":  # key padding: each batch item keeps a random prefix of at least one key
+        keep = torch.randint(1, Lk + 1, (B,), device=DEV, generator=gen)
+        m = (torch.arange(Lk, device=DEV)[None, :] < keep[:, None])[:, None, None, :]
+    elif mask == "add":
+        m = (torch.randn(B, 1, Lq, Lk, device=DEV, generator=gen) * 2).to(mask_dtype or dtype)
+    return x, k, v, gamma, beta, m
+
+
+def reference64(x, k, v, gamma, beta, mask, norm, eps, scale):
+    up = lambda t: None if t is None else (t if t.dtype == torch.bool else t.double())  # noqa: E731
+    return reference_pre_norm_cross_attn(up(x), up(k), up(v), up(gamma), up(beta), None, None, None, None,
+                                         up(mask), norm, eps, scale)
+
+
+def eager_block(x, k, v, gamma, beta, mask, norm, eps, scale):
+    B, Lq, D = x.shape
+    H, d = k.shape[1], k.shape[3]
+    if norm == "layer":
+        h = F.layer_norm(x, (D,), gamma, beta, eps)
+    else:
+        h = F.rms_norm(x, (D,), gamma, eps)
+    q = h.view(B, Lq, H, d).transpose(1, 2)
+    m = mask if mask is None or mask.dtype == torch.bool else mask.to(x.dtype)
+    a = F.scaled_dot_product_attention(q, k, v, attn_mask=m, scale=scale)
+    return x + a.transpose(1, 2).reshape(B, Lq, D)
+
+
+def rel_l2(out, ref):
+    return ((out.double() - ref).norm() / ref.norm()).item()
+
+
+def fused(x, k, v, gamma, beta, mask, norm, eps=1e-5, scale=None, sm_count=None, check_numerics=False):
+    return fusednorm.fused_pre_norm_cross_attn(x, k, v, gamma, beta, eps, sm_count, mask=mask, scale=scale,
+                                               norm=norm, check_numerics=check_numerics)
+
+
+def check_case(dtype, B, Lq, Lk, H, d, norm_variant, mask, gen, scale=None, mask_dtype=None):
+    norm = "rms" if norm_variant == "rms" else "layer"
+    eps = 1e-6 if norm == "rms" else 1e-5
+    x, k, v, gamma, beta, m = make_inputs(dtype, B, Lq, Lk, H, d, norm_variant, mask, gen, mask_dtype)
+    before = launch.launch_count
+    y = fused(x, k, v, gamma, beta, m, norm, eps, scale)
+    assert launch.launch_count == before + 1, "the generated kernel did not run"
+    ref = reference64(x, k, v, gamma, beta, m, norm, eps, scale)
+    assert y.shape == x.shape and y.dtype == x.dtype
+    assert torch.isfinite(y).all(), "unwritten (poisoned) or non-finite output"
+    err = rel_l2(y, ref)
+    err_eager = rel_l2(eager_block(x, k, v, gamma, beta, m, norm, eps, scale), ref)
+    assert err <= 2 * err_eager + 1e-7, f"fused error {err:.3e} > 2x eager error {err_eager:.3e}"
+    return err, err_eager
+
+
+# ---- the grid: dtype x head dim x norm x mask, each with odd lengths and non-contiguous k/v ----
+
+_LENGTHS = list(itertools.product(Q_LENS, K_LENS))
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("d", HEAD_DIMS)
+def test_grid(dtype, d):
+    gen = torch.Generator(device=DEV).manual_seed(int.from_bytes(os.urandom(4), "little"))
+    for i, (norm_variant, mask) in enumerate(itertools.product(NORMS, MASKS)):
+        Lq, Lk = _LENGTHS[(i + HEAD_DIMS.index(d)) % len(_LENGTHS)]
+        H = 3 if d <= 64 else 2
+        check_case(DTYPES[dtype], 2, Lq, Lk, H, d, norm_variant, mask, gen)
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_every_odd_length_pair(dtype):
+    gen = torch.Generator(device=DEV).manual_seed(int.from_bytes(os.urandom(4), "little"))
+    for Lq, Lk in _LENGTHS:
+        check_case(DTYPES[dtype], 2, Lq, Lk, 4, 64, "layer_affine", "bool", gen)
+
+
+@pytest.mark.parametrize("role", TILE_ROLES)
+def test_each_tile_role_on_every_head_dim(role, monkeypatch):
+    monkeypatch.setattr(select, "force_role", role)
+    gen = torch.Generator(device=DEV).manual_seed(int.from_bytes(os.urandom(4), "little"))
+    for d in HEAD_DIMS:
+        check_case(torch.bfloat16, 2, 77, 300, 2, d, "layer_affine", "none", gen)
+
+
+def test_model_shapes_and_custom_scale():
+    gen = torch.Generator(device=DEV).manual_seed(int.from_bytes(os.urandom(4), "little"))
+    check_case(torch.bfloat16, 4, 1, 1500, 20, 64, "layer_affine", "none", gen)        # whisper decode
+    check_case(torch.bfloat16, 2, 448, 1500, 20, 64, "layer_affine", "none", gen)      # whisper prefill
+    check_case(torch.bfloat16, 2, 1024, 77, 8, 40, "layer_affine", "none", gen)        # SD 1.5
+    check_case(torch.float16, 2, 128, 512, 16, 64, "rms", "add", gen, scale=1.0)       # T5 (no scaling)
+    check_case(torch.bfloat16, 2, 64, 100, 4, 64, "layer_affine", "add", gen, scale=-0.3)
+    check_case(torch.bfloat16, 2, 129, 77, 4, 64, "layer_affine", "add", gen, mask_dtype=torch.float32)
+
+
+def test_large_mean_does_not_cancel():
+    """|mean| >> std: a one-pass E[x^2] - E[x]^2 variance would lose every digit here."""
+    gen = torch.Generator(device=DEV).manual_seed(int.from_bytes(os.urandom(4), "little"))
+    x, k, v, g, b, _ = make_inputs(torch.bfloat16, 2, 64, 77, 4, 64, gen=gen)
+    x = (x.float() * 0.05 + 300.0).to(torch.bfloat16)
+    y = fused(x, k, v, g, b, None, "layer")
+    ref = reference64(x, k, v, g, b, None, "layer", 1e-5, None)
+    err, err_eager = rel_l2(y, ref), rel_l2(eager_block(x, k, v, g, b, None, "layer", 1e-5, None), ref)
+    assert err <= 2 * err_eager + 1e-7
+
+
+def test_fully_masked_rows_give_zero_attention():
+    gen = torch.Generator(device=DEV).manual_seed(int.from_bytes(os.urandom(4), "little"))
+    for dtype, Lq, Lk in ((torch.bfloat16, 33, 77), (torch.float16, 1, 1500), (torch.bfloat16, 129, 1)):
+        x, k, v, g, b, _ = make_inputs(dtype, 2, Lq, Lk, 4, 64, gen=gen)
+        keep = torch.rand(2, 1, Lq, Lk, device=DEV, generator=gen) > 0.5
+        keep[:, :, ::2, :] = False  # even query rows see no key at all
+        keep[:, :, 1::2, 0] = True
+        y = fused(x, k, v, g, b, keep, "layer")
+        assert torch.equal(y[:, ::2], x[:, ::2]), "fully masked rows must give o = 0, so y = x"
+        ref = reference64(x, k, v, g, b, keep, "layer", 1e-5, None)
+        assert rel_l2(y, ref) < 1e-2
+        additive = torch.zeros(2, 1, Lq, Lk, device=DEV, dtype=dtype).masked_fill(~keep, float("-inf"))
+        assert torch.equal(fused(x, k, v, g, b, additive, "layer")[:, ::2], x[:, ::2])
+
+
+def test_check_numerics_raises_on_nan_and_inf_only():
+    gen = torch.Generator(device=DEV).manual_seed(int.from_bytes(os.urandom(4), "little"))
+    x, k, v, g, b, _ = make_inputs(torch.bfloat16, 2, 129, 77, 4, 64, gen=gen)
+    fused(x, k, v, g, b, None, "layer", check_numerics=True)  # clean input: quiet
+    bad_x = x.clone()
+    bad_x[1, 100, 7] = float("nan")
+    with pytest.raises(fusednorm.FusedNormNumericsError, match="pre_norm_cross_attn"):
+        fused(bad_x, k, v, g, b, None, "layer", check_numerics=True)
+    bad_v = v.clone()
+    bad_v[0, 2, 5, 3] = float("inf")
+    with pytest.raises(fusednorm.FusedNormNumericsError):
+        fused(x, k, bad_v, g, b, None, "layer", check_numerics=True)
+    fused(x, k, v, g, b, None, "layer", check_numerics=True)  # the flag was reset: quiet again
+    y = fused(bad_x, k, v, g, b, None, "layer")  # off by default: no raise, the NaN is just there
+    assert torch.isnan(y).any()
+
+
+def test_sm_count_gives_bit_identical_results():
+    gen = torch.Generator(device=DEV).manual_seed(int.from_bytes(os.urandom(4), "little"))
+    for Lq, Lk in ((300, 77), (1, 1500), (200, 600)):
+        x, k, v, g, b, m = make_inputs(torch.bfloat16, 3, Lq, Lk, 8, 64, mask="bool", gen=gen)
+        outs = [fused(x, k, v, g, b, m, "layer", sm_count=s) for s in (None, 1, 3, 17)]
+        for o in outs[1:]:
+            assert torch.equal(o, outs[0])
+
+
+def test_layouts_that_need_a_copy_still_compute_right():
+    gen = torch.Generator(device=DEV).manual_seed(int.from_bytes(os.urandom(4), "little"))
+    x, k, v, g, b, _ = make_inputs(torch.bfloat16, 2, 65, 77, 4, 64, gen=gen)
+    x_nc = torch.empty(2, 65, 512, device=DEV, dtype=x.dtype)[:, :, ::2]
+    x_nc.copy_(x)
+    k_nc = torch.empty(2, 4, 77, 128, device=DEV, dtype=k.dtype)[..., ::2]  # last-dim stride 2
+    k_nc.copy_(k)
+    with pytest.warns(fusednorm.FusedNormWarning):
+        y = fused(x_nc, k_nc, v, g, b, None, "layer")
+    ref = reference64(x, k, v, g, b, None, "layer", 1e-5, None)
+    assert rel_l2(y, ref) <= 2 * rel_l2(eager_block(x, k, v, g, b, None, "layer", 1e-5, None), ref) + 1e-7
+    g32 = g.float()  # fp32 norm parameters with bf16 activations
+    y32 = fused(x, k, v, g32, b.float(), None, "layer")
+    ref32 = reference64(x, k, v, g32, b.float(), None, "layer", 1e-5, None)
+    assert rel_l2(y32, ref32) < 1e-2
+
+
+def test_float32_runs_the_reference_with_a_warning():
+    gen = torch.Generator(device=DEV).manual_seed(int.from_bytes(os.urandom(4), "little"))
+    x, k, v, g, b, _ = make_inputs(torch.float32, 2, 5, 7, 2, 64, gen=gen)
+    assert "float32" in codegen.why_no_kernel(x, k, v, g, b, None, "layer")
+    before = launch.launch_count
+    y = fused(x, k, v, g, b, None, "layer")
+    assert launch.launch_count == before
+    assert rel_l2(y, reference64(x, k, v, g, b, None, "layer", 1e-5, None)) < 1e-5
+
+
+def test_works_under_cuda_graph_capture():
+    gen = torch.Generator(device=DEV).manual_seed(int.from_bytes(os.urandom(4), "little"))
+    codegen.poison_outputs = False
+    x, k, v, g, b, _ = make_inputs(torch.bfloat16, 2, 200, 77, 8, 64, gen=gen)
+    expected = fused(x, k, v, g, b, None, "layer")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fused(x, k, v, g, b, None, "layer")
+    x.copy_(torch.randn(x.shape, device=DEV, generator=gen).to(x.dtype))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, fused(x, k, v, g, b, None, "layer"))
+    assert not torch.equal(out, expected)

@@ -1,0 +1,138 @@
+"""Every spec of the supported grid compiles with NVRTC for sm_80 and sm_90 with no spills (CPU only)."""
+from __future__ import annotations
+
+import os
+from concurrent.futures import ProcessPoolExecutor
+
+import pytest
+import torch
+
+pytest.importorskip("cuda.bindings.nvrtc")
+
+from fusednorm.codegen import select, why_no_kernel  # noqa: E402
+from fusednorm.codegen.nvrtc import compile_to_cubin, parse_ptxas_report  # noqa: E402
+from fusednorm.codegen.render import render  # noqa: E402
+from fusednorm.codegen.spec import (HEAD_DIMS, TILE_ROLES, KernelSpec, supported_grid,  # noqa: E402
+                                    tile_for)
+
+GRID = supported_grid()
+H100_SMEM_PER_BLOCK = 227 * 1024
+A100_SMEM_PER_BLOCK = 163 * 1024
+
+
+def _compile(spec: KernelSpec):
+    _, usage, _ = compile_to_cubin(render(spec), spec.key, spec.arch)
+    return spec.key, usage
+
+
+@pytest.fixture(scope="module")
+def compiled_grid():
+    """The whole grid compiled once, in parallel (NVRTC is CPU-bound; CI has 2 cores)."""
+    workers = max(1, min(4, os.cpu_count() or 1))
+    with ProcessPoolExecutor(workers) as pool:
+        return dict(pool.map(_compile, GRID, chunksize=4))
+
+
+def test_grid_covers_every_dtype_head_dim_role_and_arch():
+    seen = {(s.dtype, s.head_dim, s.tile, s.arch) for s in GRID}
+    for arch in (80, 90):
+        for dtype in ("bf16", "fp16"):
+            for d in HEAD_DIMS:
+                for role in TILE_ROLES:
+                    assert (dtype, d, tile_for(role, d), arch) in seen
+    assert {s.mask for s in GRID} == {"none", "bool", "add"}
+    assert {s.norm for s in GRID} == {"layer", "rms"}
+    assert len({s.key for s in GRID}) == len(GRID), "keys must name kernels uniquely"
+
+
+@pytest.mark.parametrize("key", [s.key for s in GRID])
+def test_compiles_without_spills(compiled_grid, key):
+    usage = compiled_grid[key]
+    assert 0 < usage.registers <= 255
+    assert (usage.spill_stores, usage.spill_loads, usage.stack_frame) == (0, 0, 0), f"{key}: {usage}"
+
+
+@pytest.mark.parametrize("spec", GRID, ids=[s.key for s in GRID])
+def test_shared_memory_fits(spec):
+    limit = A100_SMEM_PER_BLOCK if spec.arch == 80 else H100_SMEM_PER_BLOCK
+    assert spec.smem_bytes() <= limit
+
+
+def test_key_is_readable_and_length_free():
+    spec = KernelSpec("bf16", 64, "layer", True, True, False, "bool", False, tile_for("base", 64), 90, False)
+    assert spec.key == "pnca_bf16_d64_layer_gb_mbool_t64x64_sm90"
+    rms = KernelSpec("fp16", 40, "rms", False, False, True, "add", True, tile_for("short", 40), 80, True)
+    assert rms.key == "pnca_fp16_d40_rms_noaff_madd32_t16x16k4s4_sm80_chk"  # affine_f32 dropped: nothing to store
+
+
+def test_source_needs_no_headers():
+    src = render(GRID[0])
+    assert "#include" not in src
+    assert f"#define KERNEL_NAME {GRID[0].key}" in src
+
+
+def test_compile_error_carries_the_log():
+    from fusednorm.codegen.nvrtc import NvrtcError
+
+    with pytest.raises(NvrtcError, match="undefined"):
+        compile_to_cubin('extern "C" __global__ void broken() { undefined_thing(); }', "broken", 90)
+
+
+def test_ptxas_report_parsing():
+    text = ("ptxas info    : Compiling entry function 'kern' for 'sm_90'\n"
+            "ptxas info    : Function properties for kern\n"
+            "ptxas         .     16 bytes stack frame, 8 bytes spill stores, 12 bytes spill loads\n"
+            "ptxas info    : Used 255 registers, used 1 barriers, 1024 bytes smem\n")
+    u = parse_ptxas_report(text, "kern")
+    assert (u.registers, u.stack_frame, u.spill_stores, u.spill_loads, u.static_smem) == (255, 16, 8, 12, 1024)
+
+
+# ---- run-time choices (no GPU needed) ----
+
+def test_role_follows_lengths():
+    assert select.tile_role(1, 1500) == "short"
+    assert select.tile_role(2048, 77) == "base"
+    assert select.tile_role(2048, 2048) == "long"
+
+
+def test_decode_plan_splits_heads_and_respects_sm_count():
+    tile = tile_for("short", 64)
+    plan = select.plan_launch("short", tile, 64, 1, 1500, 20, 64, sm_count=132, ctas_per_sm=2)
+    assert plan.heads_per_item < 20 and plan.items >= 132
+    small = select.plan_launch("short", tile, 64, 1, 1500, 20, 64, sm_count=7, ctas_per_sm=2)
+    assert small.grid <= 7 * 2
+
+
+def test_plan_covers_every_row_and_head():
+    for (B, Lq, Lk, H, d) in [(32, 2048, 77, 16, 64), (2, 4096, 77, 10, 64), (3, 129, 5, 7, 40), (1, 1, 1, 1, 32)]:
+        role = select.tile_role(Lq, Lk)
+        tile = tile_for(role, d)
+        p = select.plan_launch(role, tile, B, Lq, Lk, H, d, sm_count=132, ctas_per_sm=3)
+        assert p.row_blocks * tile.block_m >= Lq
+        assert p.head_groups * p.heads_per_item >= H > (p.head_groups - 1) * p.heads_per_item
+        assert p.items == B * p.row_blocks * p.head_groups
+        assert 1 <= p.grid <= min(p.items, 132 * 3)
+
+
+# ---- why_no_kernel works on fake / meta tensors ----
+
+def _fake_inputs(dtype=torch.bfloat16, d=64, device="cuda"):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        x = torch.empty(2, 5, 4 * d, dtype=dtype, device=device)
+        k = torch.empty(2, 4, 7, d, dtype=dtype, device=device)
+    return x, k
+
+
+def test_why_no_kernel_on_fake_tensors():
+    x, k = _fake_inputs()
+    if not torch.cuda.is_available():
+        assert why_no_kernel(x, k, k, None, None, None, "layer") is None
+    x32, k32 = _fake_inputs(torch.float32)
+    assert "float32" in why_no_kernel(x32, k32, k32, None, None, None, "layer")
+    x48, k48 = _fake_inputs(d=48)
+    assert "head dim 48" in why_no_kernel(x48, k48, k48, None, None, None, "layer")
+    xm = torch.empty(2, 5, 256, dtype=torch.bfloat16, device="meta")
+    km = torch.empty(2, 4, 7, 64, dtype=torch.bfloat16, device="meta")
+    assert "not on a CUDA device" in why_no_kernel(xm, km, km, None, None, None, "layer")

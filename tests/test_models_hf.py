@@ -1,0 +1,48 @@
+"""Hugging Face encoder-decoders from tiny configs (random init, no downloads), with attn_implementation "sdpa" and
+"eager": every decoder cross-attention block is fused, the outputs match eager."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+B, LQ, LK = 2, 6, 9
+
+
+def whisper(attn_implementation):
+    config = transformers.WhisperConfig(
+        vocab_size=96, num_mel_bins=8, d_model=32, encoder_layers=1, decoder_layers=2, encoder_attention_heads=4,
+        decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_source_positions=LK,
+        max_target_positions=16, pad_token_id=0, bos_token_id=1, eos_token_id=2, decoder_start_token_id=1,
+        attn_implementation=attn_implementation)
+    model = transformers.WhisperForConditionalGeneration(config).eval()
+    inputs = dict(input_features=torch.randn(B, 8, 2 * LK), decoder_input_ids=torch.randint(3, 96, (B, LQ)))
+    return model, inputs, config.decoder_layers
+
+
+def t5(attn_implementation):
+    config = transformers.T5Config(vocab_size=96, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_decoder_layers=2,
+                                   num_heads=4, attn_implementation=attn_implementation)
+    model = transformers.T5ForConditionalGeneration(config).eval()
+    attention_mask = torch.ones(B, LK, dtype=torch.long)
+    attention_mask[1, -3:] = 0  # padding in the encoder input: the cross-attention gets a mask
+    inputs = dict(input_ids=torch.randint(3, 96, (B, LK)), attention_mask=attention_mask,
+                  decoder_input_ids=torch.randint(3, 96, (B, LQ)))
+    return model, inputs, config.num_decoder_layers
+
+
+@pytest.mark.parametrize("attn_implementation", ["sdpa", "eager"])
+@pytest.mark.parametrize("build", [whisper, t5], ids=["whisper", "t5"])
+def test_encoder_decoder_cross_attention_is_fused(fusion, build, attn_implementation):
+    torch.manual_seed(0)
+    model, inputs, decoder_layers = build(attn_implementation)
+    assert model.config._attn_implementation == attn_implementation
+    fusion.run(model, **inputs)
+    assert fusion.fused == decoder_layers, fusion.reasons()
+    for match in fusion.matches:
+        assert "transformers" in match.locations["attention"] and "modeling_" in match.locations["norm"]
+    if build is t5:  # RMS norm, unscaled attention, the padding mask
+        assert {m.summary["norm"] for m in fusion.matches} == {"rms"}
+        assert {m.summary["scale"] for m in fusion.matches} == {1.0}
+        assert {m.summary["mask"] for m in fusion.matches} == {"additive"}

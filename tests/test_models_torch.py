@@ -1,0 +1,62 @@
+"""torch.nn's own decoder: every norm_first cross-attention block is fused, a post-norm decoder is left alone."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+from conftest import rel_err
+
+D, H, FF, B, LQ, LK = 32, 4, 64, 2, 5, 7
+
+
+def perturb(module: nn.Module) -> nn.Module:
+    with torch.no_grad():
+        for p in module.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    return module
+
+
+def decoder_inputs(batch_first):
+    x, memory = torch.randn(B, LQ, D), torch.randn(B, LK, D)
+    return (x, memory) if batch_first else (x.transpose(0, 1), memory.transpose(0, 1))
+
+
+@pytest.mark.parametrize("batch_first", [True, False])
+def test_transformer_decoder_layer_norm_first(fusion, batch_first):
+    layer = perturb(nn.TransformerDecoderLayer(D, H, FF, dropout=0.1, batch_first=batch_first, norm_first=True))
+    fusion.run(layer.eval(), *decoder_inputs(batch_first))
+    assert fusion.fused == 1, fusion.reasons()  # the cross-attention block; self-attention is not one
+    assert "self-attention" in fusion.reasons()
+
+
+def test_transformer_decoder_norm_first_with_memory_padding_mask(fusion):
+    num_layers = 3
+    layer = nn.TransformerDecoderLayer(D, H, FF, dropout=0.0, batch_first=True, norm_first=True)
+    decoder = perturb(nn.TransformerDecoder(layer, num_layers)).eval()
+    x, memory = decoder_inputs(True)
+    padding = torch.zeros(B, LK, dtype=torch.bool)
+    padding[1, -3:] = True
+    fusion.run(decoder, x, memory, memory_key_padding_mask=padding)
+    assert fusion.fused == num_layers, fusion.reasons()
+
+
+def test_transformer_decoder_post_norm_is_left_alone(fusion):
+    layer = nn.TransformerDecoderLayer(D, H, FF, dropout=0.0, batch_first=True, norm_first=False)
+    decoder = perturb(nn.TransformerDecoder(layer, 2)).eval()
+    x, memory = decoder_inputs(True)
+    expected = decoder(x, memory)
+    actual = fusion.compile(decoder)(x, memory)
+    assert fusion.fused == 0
+    assert torch.equal(actual, expected)
+    post = [m for m in fusion.near_misses if m.reason.startswith("post-norm")]
+    assert len(post) == 2 * 2  # self- and cross-attention in each of the 2 layers
+
+
+def test_transformer_decoder_layer_under_inductor(fusion):
+    layer = perturb(nn.TransformerDecoderLayer(D, H, FF, dropout=0.0, batch_first=True, norm_first=True)).eval()
+    x, memory = decoder_inputs(True)
+    expected = layer(x, memory)
+    actual = fusion.compile(layer, compiler="inductor")(x, memory)
+    assert fusion.fused == 1
+    assert rel_err(actual, expected) <= 1e-4

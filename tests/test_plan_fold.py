@@ -1,0 +1,76 @@
+"""The projection plan's algebra on the CPU: folding the norm into Wq and bo into the out GEMM changes nothing."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fusednorm.plans.plan import attention_stage_reference
+from fusednorm.plans.weights import K_ALIGN, fold_weights
+from fusednorm.reference import compute_dtype, reference_pre_norm_cross_attn
+
+B, Lq, D, H, Lk, d = 2, 9, 64, 4, 7, 16
+
+
+def _weights(dtype, gamma=True, beta=True, bq=True, bo=True):
+    r = lambda *s, scale=1.0: (scale * torch.randn(*s)).to(dtype)  # noqa: E731
+    return dict(gamma=(1 + r(D, scale=0.2)).to(dtype) if gamma else None, beta=r(D, scale=0.1) if beta else None,
+                wq=r(H * d, D, scale=D ** -0.5), bq=r(H * d, scale=0.1) if bq else None,
+                wo=r(D, H * d, scale=D ** -0.5), bo=r(D, scale=0.1) if bo else None)
+
+
+def _plan_in_torch(x, k, v, mask, norm, w):
+    """The three plan stages with torch ops standing in for cuBLAS and the stage kernel."""
+    fw = fold_weights(norm, w["gamma"], w["beta"], w["wq"], w["bq"], w["wo"], w["bo"], x.dtype)
+    ct = compute_dtype(x.dtype)
+    x2 = x.reshape(B * Lq, D)
+    qraw = x2.to(ct) @ fw.wq.to(ct).t()
+    o = attention_stage_reference(x, k, v, mask, norm, 1e-5, None, qraw, fw.u, fw.b).reshape(B * Lq, -1)
+    if fw.o_cols > H * d:  # the kernel writes [o, 1, 0...]
+        pad = torch.zeros(B * Lq, fw.o_cols - H * d, dtype=o.dtype)
+        pad[:, 0] = 1
+        o = torch.cat([o, pad], 1)
+    return (x2.to(ct) + o.to(x.dtype).to(ct) @ fw.wo.to(ct).t()).to(x.dtype).view(B, Lq, D)
+
+
+@pytest.mark.parametrize("norm", ["layer", "rms"])
+@pytest.mark.parametrize("biases", [True, False])
+def test_fold_is_exact_in_float64(norm, biases):
+    torch.manual_seed(1)
+    w = _weights(torch.float64, beta=biases and norm == "layer", bq=biases, bo=biases)
+    x, k, v = torch.randn(B, Lq, D, dtype=torch.float64), *torch.randn(2, B, H, Lk, d, dtype=torch.float64)
+    mask = torch.rand(B, 1, 1, Lk) > 0.3
+    got = _plan_in_torch(x, k, v, mask, norm, w)
+    want = reference_pre_norm_cross_attn(x, k, v, *w.values(), mask, norm, 1e-5, None)
+    assert torch.allclose(got, want, rtol=1e-10, atol=1e-10)
+    if biases:
+        assert fold_weights(norm, *w.values(), torch.float64).o_cols == H * d + K_ALIGN
+
+
+@pytest.mark.parametrize("mean", [0.0, 30.0])
+def test_fold_error_in_bf16_stays_within_twice_eager(mean):
+    """Activations whose mean is large against their spread: the fold's cancellation happens in float32."""
+    torch.manual_seed(2)
+    dt = torch.bfloat16
+    w = _weights(dt)
+    x = (torch.randn(B, Lq, D) + mean).to(dt)
+    k, v = torch.randn(2, B, H, Lk, d).to(dt)
+    want = reference_pre_norm_cross_attn(x.double(), k.double(), v.double(),
+                                         *(t.double() for t in w.values()), None, "layer", 1e-5, None)
+    h = F.layer_norm(x, (D,), w["gamma"], w["beta"], 1e-5)
+    q = F.linear(h, w["wq"], w["bq"]).view(B, Lq, H, d).transpose(1, 2)
+    a = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(B, Lq, H * d)
+    eager = x + F.linear(a, w["wo"], w["bo"])
+    got = _plan_in_torch(x, k, v, None, "layer", w)
+    err = lambda y: ((y.double() - want).norm() / (want - x.double()).norm()).item()  # noqa: E731
+    assert err(got) <= 2 * err(eager), (err(got), err(eager))
+
+
+def test_folded_weights_follow_in_place_updates():
+    torch.manual_seed(3)
+    w = _weights(torch.float32)
+    first = fold_weights("layer", *w.values(), torch.float32)
+    assert fold_weights("layer", *w.values(), torch.float32) is first  # cached
+    with torch.no_grad():
+        w["gamma"].mul_(2.0)   # an optimizer step or load_state_dict bumps the version counter
+    second = fold_weights("layer", *w.values(), torch.float32)
+    assert second is not first
+    assert torch.allclose(second.wq, 2 * first.wq)
