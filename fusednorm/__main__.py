@@ -28,8 +28,8 @@ def _parser() -> argparse.ArgumentParser:
                    "(as FUSEDNORM_DUMP=DIR)")
     e.add_argument("--dynamic", action="store_true", help="compile with dynamic shapes (torch.compile dynamic=True)")
 
-    c = sub.add_parser("cache", help="list or clear the compiled kernels in the disk cache")
-    csub = c.add_subparsers(dest="action", required=True, metavar="{list,clear,path}")
+    c = sub.add_parser("cache", help="list (the default) or clear the compiled kernels in the disk cache")
+    csub = c.add_subparsers(dest="action", metavar="{list,clear,path}")
     cl = csub.add_parser("list", help="one line per cached kernel: key, arch, size, age")
     cl.add_argument("--json", action="store_true", help="print the entries as JSON")
     cc = csub.add_parser("clear", help="delete cached kernels (they are compiled again when next needed)")
@@ -62,9 +62,9 @@ def _cache(ns) -> int:
     if ns.action == "path":
         print(cache_cli.cache_dir())
         return 0
-    if ns.action == "list":
+    if ns.action in ("list", None):
         entries = cache_cli.list_kernels()
-        if ns.json:
+        if getattr(ns, "json", False):
             print(json.dumps(entries, indent=2))
         else:
             print(cache_cli.format_entries(entries))

@@ -123,7 +123,7 @@ def _forget(backend, region: int) -> None:
         code = weak_code()
         if code is None:
             continue
-        for entry in {id(e): e for e in _entries(code, region)}.values():
+        for entry in _entries(code, region):   # an entry listed twice is matched once: invalidating clears its backend
             if getattr(entry.backend, "compiler_fn", entry.backend) is backend:
                 manager = entry.guard_manager
                 extra_state = getattr(manager, "extra_state", None)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import fusednorm
+import fusednorm  # noqa: F401  (registers the backend and the fused op)
 import fusednorm.backend as backend
 
 FUSED_OP = torch.ops.fusednorm.pre_norm_cross_attn.default

@@ -150,6 +150,8 @@ def cache(tmp_path, monkeypatch):
 def test_cache_list(cache, capsys):
     assert main(["cache", "list"]) == 0
     out = capsys.readouterr().out
+    assert main(["cache"]) == 0   # listing is the default
+    assert capsys.readouterr().out == out
     assert out.startswith(f"3 cached kernel(s) in {cache}")
     row = next(line for line in out.splitlines() if "pnca_fp16_d128" in line)
     assert " 128 " in row
@@ -166,7 +168,8 @@ def test_cache_list_json(cache, capsys):
 def test_cache_clear_by_key_then_all(cache, capsys):
     assert main(["cache", "clear", "--key", "fp16"]) == 0
     assert "removed 1 cached kernel(s)" in capsys.readouterr().out
-    assert sorted(p.name for p in cache.glob("*.fnk")) == ["garbage.fnk", "pnca_bf16_d64_layer_gb_mnone_t64x64_sm90.fnk"]
+    left = sorted(p.name for p in cache.glob("*.fnk"))
+    assert left == ["garbage.fnk", "pnca_bf16_d64_layer_gb_mnone_t64x64_sm90.fnk"]
     assert main(["cache", "clear"]) == 0
     assert "removed 2 cached kernel(s)" in capsys.readouterr().out
     assert list(cache.iterdir()) == []

@@ -90,9 +90,13 @@ def test_ptxas_report_parsing():
 # ---- run-time choices (no GPU needed) ----
 
 def test_role_follows_lengths():
-    assert select.tile_role(1, 1500) == "short"
-    assert select.tile_role(2048, 77) == "base"
-    assert select.tile_role(2048, 2048) == "long"
+    assert select.tile_role(1, 1500, 64, 20) == "short"                # Whisper decode
+    assert select.tile_role(2048, 77, 32, 16) == "long"                # seed: many 128-row items
+    assert select.tile_role(448, 1500, 16, 20) == "long"               # Whisper prefill
+    assert select.tile_role(4096, 77, 2, 10) == "base"                 # SDXL: too few 128-row items
+    assert select.tile_role(128, 512, 32, 16) == "long"                # T5 decoder block: long keys
+    assert select.tile_role(300, 77, 2, 8) == "base"                   # a few short items
+    assert select.tile_role(2048, 77, 32, 16, sm_count=2000) == "base"  # a bigger GPU wants more items
 
 
 def test_decode_plan_splits_heads_and_respects_sm_count():
@@ -105,7 +109,7 @@ def test_decode_plan_splits_heads_and_respects_sm_count():
 
 def test_plan_covers_every_row_and_head():
     for (B, Lq, Lk, H, d) in [(32, 2048, 77, 16, 64), (2, 4096, 77, 10, 64), (3, 129, 5, 7, 40), (1, 1, 1, 1, 32)]:
-        role = select.tile_role(Lq, Lk)
+        role = select.tile_role(Lq, Lk, B, H)
         tile = tile_for(role, d)
         p = select.plan_launch(role, tile, B, Lq, Lk, H, d, sm_count=132, ctas_per_sm=3)
         assert p.row_blocks * tile.block_m >= Lq

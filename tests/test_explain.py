@@ -90,6 +90,24 @@ def test_the_summary_names_the_fused_ops_arguments():
         assert fact in flat, f"{fact} missing from the summary {flat}"
 
 
+class TwoBlocksWithABreak(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = CrossBlock(), CrossBlock()
+
+    def forward(self, x, context):
+        x = self.first(x, context)
+        torch._dynamo.graph_break()   # Dynamo compiles the two halves as two graphs
+        return self.second(x, context)
+
+
+def test_every_graph_dynamo_makes_is_reported():
+    report = fusednorm.explain(TwoBlocksWithABreak().eval(), *_inputs())
+    assert report.graphs == 2
+    assert len(report.matches) == 2 and report.matches[0].graph != report.matches[1].graph
+    assert "(2 graphs compiled)" in str(report).splitlines()[0]
+
+
 def test_self_attention_is_a_near_miss_with_its_reason():
     report = fusednorm.explain(SelfBlock().eval(), *_inputs())
     assert report.matches == []

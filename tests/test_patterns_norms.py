@@ -109,7 +109,8 @@ def test_half_precision_rms_norm_with_float32_upcast_is_fused(fusion, name, dtyp
     assert "upcast" in fusion.matches[0].pattern
 
 
-@pytest.mark.parametrize("norm", [lambda: nn.LayerNorm((LQ, D)), RMSOverDim1], ids=["LayerNorm((Lq, D))", "rms over dim 1"])
+@pytest.mark.parametrize("norm", [lambda: nn.LayerNorm((LQ, D)), RMSOverDim1],
+                         ids=["LayerNorm((Lq, D))", "rms over dim 1"])
 def test_norm_not_over_the_last_dim_is_left_alone(fusion, norm):
     model = perturb(Block(norm())).eval()
     x, context = torch.randn(B, LQ, D), torch.randn(B, LK, 24)

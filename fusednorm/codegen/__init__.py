@@ -56,8 +56,10 @@ def why_no_kernel(x, k, v, gamma, beta, mask, norm) -> str | None:
             return f"{name} is not floating point"
     if mask is not None and not (mask.dtype == torch.bool or mask.dtype.is_floating_point):
         return f"mask dtype {mask.dtype} is neither bool nor floating"
-    if torch.cuda.is_available():
-        index = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    index = x.device.index
+    if index in _capability or torch.cuda.is_available():
+        if index is None:
+            index = torch.cuda.current_device()
         major, minor = _device_capability(index)
         if major < 8:
             return f"the GPU is sm_{major}{minor}; generated kernels need sm_80 or newer (bf16 mma, cp.async)"
@@ -162,11 +164,12 @@ def run_kernel(x, k, v, gamma, beta, mask, norm, eps, scale, sm_count, check_num
     fam = _family(_KERNEL_DTYPES[x.dtype], d, norm, gamma is not None, beta is not None, affine_f32, mask_kind,
                   mask_f32, major * 10 + minor, bool(check_numerics), device_index)
 
-    sms = _sm_counts.get(device_index)
-    if sms is None:
-        sms = _sm_counts[device_index] = torch.cuda.get_device_properties(device_index).multi_processor_count
-    sms = sms if sm_count is None else max(1, min(int(sm_count), sms))
-    role = _select.tile_role(Lq, Lk)
+    device_sms = _sm_counts.get(device_index)
+    if device_sms is None:
+        device_sms = _sm_counts[device_index] = torch.cuda.get_device_properties(device_index).multi_processor_count
+    sms = device_sms if sm_count is None else max(1, min(int(sm_count), device_sms))
+    # the tile choice follows the device, never sm_count: results stay bit-identical whatever sm_count bounds
+    role = _select.tile_role(Lq, Lk, B, H, device_sms)
     kernel = fam[role]
     pkey = (role, id(kernel), B, Lq, Lk, H, sms)
     plan = _plans.get(pkey)

@@ -25,6 +25,7 @@ from . import trace
 
 _used_dirs: dict[str, None] = {}     # dump folders written this process (ordered); kernels go to each
 _fresh_graph_dirs: set[str] = set()  # graph folders emptied of a previous run's files
+_failed: set[str] = set()            # kinds of dump that failed and were warned about (once each)
 
 
 def enabled(dump_dir: str | None) -> bool:
@@ -45,8 +46,10 @@ def _never_fails(what: str):
             try:
                 return fn(*args, **kwargs)
             except Exception as e:   # a dump is a side product: the compile must go on
-                warn_once(f"fusednorm: could not write the {what} dump ({type(e).__name__}: {e}); "
-                          "compilation goes on without it")
+                if what not in _failed:
+                    _failed.add(what)
+                    warn_once(f"fusednorm: could not write the {what} dump ({type(e).__name__}: {e}); "
+                              "compilation goes on without it")
         return safe
     return wrap
 

@@ -21,7 +21,7 @@ class PassContext:
 
     def after_pass(self, index: int, name: str, gm: torch.fx.GraphModule) -> None:
         """Numbered dump after each pass (a no-op unless dumps are on)."""
-        if self.options.dump_dir:
-            from ..inspect.dump import dump_graph
+        from ..inspect.dump import dump_graph, enabled
 
-            dump_graph(self.options.dump_dir, self.graph_id, index, name, gm)
+        if enabled(self.options.dump_dir):
+            dump_graph(self.options.dump_dir, self.graph_id, index, name, gm, report=self.report)

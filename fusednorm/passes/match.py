@@ -38,14 +38,18 @@ class Candidate:
 
 @dataclass
 class Failure:
+    """Why a structural match was not fused. ``stage`` says how far it got (ownership 1, shapes 2, binding 3,
+    check 4, CUDA 5, overlap 6): the failure that got furthest explains the block best."""
     pattern: str
     reason: str
     roles: dict[str, torch.fx.Node] = field(default_factory=dict)
+    stage: int = 0
 
 
 def run(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:
     graph = gm.graph
     space = HintSpace()
+    order = {n: i for i, n in enumerate(graph.nodes)}
     anchors = [n for n in graph.nodes if _is_residual_add(n)]
     patterns = patterns_for(graph_facts(graph)) if anchors else []
     depth = max((p.depth for p in patterns), default=0)
@@ -56,14 +60,19 @@ def run(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:
         for pattern in patterns:
             if not pattern.targets <= near:  # an op the pattern needs is not within its reach of this add
                 continue
-            result = attempt(pattern, anchor, space)
+            result = attempt(pattern, anchor, space, order)
             if isinstance(result, Candidate):
                 candidates.append(result)
             elif isinstance(result, Failure):
                 failures[anchor].append(result)
     ctx.matches = choose(candidates, graph)
     chosen = {c.anchor for c in ctx.matches}
-    ctx.failures = {a: f for a, f in failures.items() if a not in chosen}
+    for c in candidates:
+        if c.anchor not in chosen:
+            winner = next(m for m in ctx.matches if m.owned & c.owned)
+            failures[c.anchor].append(Failure(c.pattern.name, f"it overlaps the block fused by pattern "
+                                              f"{winner.pattern.name!r}", c.roles, 6))
+    ctx.failures = {a: sorted(f, key=lambda f: -f.stage) for a, f in failures.items() if a not in chosen}
     for c in ctx.matches:
         ctx.report.matches.append(MatchRecord(pattern=c.pattern.name, locations=locations(c.roles),
                                               summary=summarize(c), runs=c.runs, graph=ctx.graph_id))
@@ -95,12 +104,16 @@ def _is_residual_add(node: torch.fx.Node) -> bool:
             and ev.dim() == 3 and ev.dtype.is_floating_point)
 
 
-def attempt(pattern: Pattern, anchor: torch.fx.Node, space: HintSpace) -> Candidate | Failure | None:
-    """A checked candidate, the first reason the pattern's structural match failed, or None (no structure)."""
+def attempt(pattern: Pattern, anchor: torch.fx.Node, space: HintSpace,
+            order: dict[torch.fx.Node, int]) -> Candidate | Failure | None:
+    """A checked candidate, the first reason the pattern's structural match failed, or None (no structure).
+
+    ``order`` is each graph node's position (ancestor searches stop at the earliest node that matters).
+    """
     first_failure = None
     try:
         for sm in match_at(pattern.graph, pattern.meta_exprs, anchor):
-            result = _check(pattern, sm, space)
+            result = _check(pattern, sm, space, order)
             if isinstance(result, Candidate):
                 return result
             first_failure = first_failure or result
@@ -109,23 +122,24 @@ def attempt(pattern: Pattern, anchor: torch.fx.Node, space: HintSpace) -> Candid
     return first_failure
 
 
-def _check(pattern: Pattern, sm: StructuralMatch, space: HintSpace) -> Candidate | Failure:
+def _check(pattern: Pattern, sm: StructuralMatch, space: HintSpace, order) -> Candidate | Failure:
     roles = {role: sm.nodes.get(node) for role, node in pattern.roles.items()}
-    inside = _inputs_from_inside(pattern, sm)
+    inside = _inputs_from_inside(pattern, sm, order)
     if inside:
-        return Failure(pattern.name, inside, roles)
+        return Failure(pattern.name, inside, roles, 1)
     foreign = foreign_users(sm)
     if foreign:
-        return Failure(pattern.name, _ownership_reason(pattern, sm, foreign, roles), roles)
+        return Failure(pattern.name, _ownership_reason(pattern, sm, foreign, roles, order), roles, 1)
     reason = check_shapes(pattern.graph, sm, space)
     if reason:
-        return Failure(pattern.name, f"the shapes do not fit the pattern: {reason}", roles)
+        return Failure(pattern.name, f"the shapes do not fit the pattern: {reason}", roles, 2)
     try:
         hinted = {p: space.of(v) for p, v in sm.values.items()}
         args = resolve(pattern.bind, hinted)
         check_op_args(args, pattern.norm)
+        _check_output(pattern, args, sm.anchor, space)
     except BindingError as e:
-        return Failure(pattern.name, str(e), roles)
+        return Failure(pattern.name, str(e), roles, 3)
     if pattern.check is not None:
         try:
             verdict = pattern.check(MatchView(pattern.name, hinted, dict(sm.values), roles))
@@ -133,11 +147,23 @@ def _check(pattern: Pattern, sm: StructuralMatch, space: HintSpace) -> Candidate
             verdict = f"the pattern's check raised {type(e).__name__}: {e}"
         if verdict is not True:
             return Failure(pattern.name, verdict if isinstance(verdict, str) and verdict
-                           else "the pattern's check refused the match", roles)
+                           else "the pattern's check refused the match", roles, 4)
     runs, no_kernel = _what_runs(args, pattern.norm)
     if no_kernel:
-        return Failure(pattern.name, f"no fused CUDA kernel/plan for this block: {no_kernel}", roles)
+        return Failure(pattern.name, f"no fused CUDA kernel/plan for this block: {no_kernel}", roles, 5)
     return Candidate(pattern, sm.anchor, dict(sm.values), sm.owned, roles, args, runs)
+
+
+def _check_output(pattern: Pattern, args, anchor, space: HintSpace) -> None:
+    """The op returns x's shape and dtype (then the pattern's output adapter): the add must have produced the same."""
+    with space.mode:
+        y = torch.empty_like(args["x"])
+        if pattern.bind.get("output") is not None:
+            y = pattern.bind["output"](y)
+    expected = space.of(anchor)
+    if tuple(y.shape) != tuple(expected.shape) or y.dtype != expected.dtype:
+        raise BindingError(f"the block returns {tuple(expected.shape)} {expected.dtype} but the op would return "
+                           f"{tuple(y.shape)} {y.dtype} (its result has x's shape and dtype)")
 
 
 def _what_runs(args, norm) -> tuple[str, str | None]:
@@ -167,25 +193,23 @@ def _kv_params(pattern: Pattern) -> set[str]:
     return params
 
 
-def _inputs_from_inside(pattern: Pattern, sm: StructuralMatch) -> str | None:
+def _inputs_from_inside(pattern: Pattern, sm: StructuralMatch, order) -> str | None:
     """A block's inputs must come from outside it: K/V computed from the normed x is self-attention."""
     kv = _kv_params(pattern)
     owned = sm.owned - {sm.anchor}
     for param, value in sm.values.items():
-        if isinstance(value, torch.fx.Node) and (value in owned or _depends_on(value, owned)):
+        if isinstance(value, torch.fx.Node) and (value in owned or _depends_on(value, owned, order)):
             if param in kv:
                 return "self-attention: the normed x also feeds K/V"
             return f"the block's input {param!r} ({value.name}) is computed inside the block"
     return None
 
 
-def _ownership_reason(pattern, sm, foreign, roles) -> str:
+def _ownership_reason(pattern, sm, foreign, roles, order) -> str:
     kv_nodes = [sm.values[p] for p in _kv_params(pattern) if isinstance(sm.values.get(p), torch.fx.Node)]
-    owned = sm.owned
-    if any(_depends_on(n, owned) for n in kv_nodes):
+    if any(_depends_on(n, sm.owned, order) for n in kv_nodes):
         return "self-attention: the normed x also feeds K/V"
     attention = roles.get("attention")
-    order = {n: i for i, n in enumerate(sm.anchor.graph.nodes)}
     node, users = next(iter(sorted(foreign.items(), key=lambda kv: order.get(kv[0], 0))))
     where = ", ".join(f"{u.name} ({source_location(u)})" if source_location(u) else u.name for u in users[:3])
     if attention is not None and order.get(node, 0) < order.get(attention, 0):
@@ -193,11 +217,10 @@ def _ownership_reason(pattern, sm, foreign, roles) -> str:
     return f"an intermediate of the block ({node.name}) has other users outside it: {where}"
 
 
-def _depends_on(node: torch.fx.Node, targets: set[torch.fx.Node]) -> bool:
+def _depends_on(node: torch.fx.Node, targets: set[torch.fx.Node], order) -> bool:
     """Is some node of ``targets`` an ancestor of ``node``? (searches only nodes after the earliest target)"""
     if not targets:
         return False
-    order = {n: i for i, n in enumerate(node.graph.nodes)}
     lowest = min(order[t] for t in targets)
     seen, stack = set(), [node]
     while stack:

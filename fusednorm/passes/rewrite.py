@@ -45,9 +45,10 @@ def _rewrite(graph: torch.fx.Graph, match, fake_mode, ctx: PassContext) -> None:
         tracer = EmitTracer(graph, fake_mode, meta)
         values = {p: tracer.wrap(v) for p, v in match.values.items()}
         a = resolve(pattern.bind, values)
+        eps, scale = (float(v) if isinstance(v, (int, float)) else v for v in (a["eps"], a["scale"]))
         fused = tracer.create_proxy(
             "call_function", FUSED_OP,
             (a["x"], a["k"], a["v"], a["gamma"], a["beta"], a["wq"], a["bq"], a["wo"], a["bo"], a["mask"],
-             pattern.norm, a["eps"], a["scale"], ctx.options.sm_count, bool(ctx.options.check_numerics)), {})
+             pattern.norm, eps, scale, ctx.options.sm_count, bool(ctx.options.check_numerics)), {})
         out = pattern.bind["output"](fused) if pattern.bind.get("output") is not None else fused
     anchor.replace_all_uses_with(out.node)

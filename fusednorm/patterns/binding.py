@@ -99,7 +99,10 @@ def check_op_args(args: dict[str, Any], norm: str) -> None:
                      args["wo"], args["bo"], mask, norm, float(args["eps"]),
                      None if args["scale"] is None else float(args["scale"]))
     except FusedNormInputError as e:
-        raise BindingError(str(e).replace("fusednorm.pre_norm_cross_attn: ", "")) from e
+        reason = str(e).replace("fusednorm.pre_norm_cross_attn: ", "")
+        if reason.startswith("mask"):
+            reason = f"mask shape not supported: {reason}"
+        raise BindingError(reason) from e
 
 
 def _describe(value) -> str:

@@ -74,10 +74,10 @@ def _canonical_form(node: torch.fx.Node, use_meta: bool):
         if name == "contiguous" and not kwargs and len(args) == 1:
             return ("drop", args[0])
         if name in _RESHAPE_METHODS and len(args) >= 2 and not kwargs:
-            shape = args[1] if len(args) == 2 and isinstance(args[1], (tuple, list)) else args[1:]
             if len(args) == 2 and isinstance(args[1], torch.dtype):
                 return None  # x.view(dtype) reinterprets bits: not a reshape
-            return _reshape(node, args[0], tuple(shape), use_meta)
+            shape = _shape_argument(args[1:])
+            return None if shape is None else _reshape(node, args[0], shape, use_meta)
         if name in _TRANSPOSE_METHODS and len(args) == 3 and not kwargs:
             return _transpose(node, args[0], args[1], args[2], use_meta)
         if name == "permute" and len(args) >= 2 and not kwargs:
@@ -101,11 +101,7 @@ def _canonical_form(node: torch.fx.Node, use_meta: bool):
             return _cast(node, args[0], _CAST_METHODS[name], use_meta)
         if name == "type_as" and len(args) == 2 and not kwargs:
             other = example_value(args[1])
-            if isinstance(other, torch.Tensor):
-                return _cast(node, args[0], other.dtype, use_meta)
-            if use_meta:
-                return None
-            return None
+            return _cast(node, args[0], other.dtype, use_meta) if isinstance(other, torch.Tensor) else None
         if name == "to":
             return _to(node, args, kwargs, use_meta)
         return None
@@ -113,7 +109,8 @@ def _canonical_form(node: torch.fx.Node, use_meta: bool):
     if target in _MATMULS and len(args) == 2 and not kwargs:
         return ("replace", "call_function", torch.matmul, args, {})
     if target is torch.reshape and len(args) == 2 and not kwargs:
-        return _reshape(node, args[0], tuple(args[1]), use_meta)
+        shape = _shape_argument(args[1:])
+        return None if shape is None else _reshape(node, args[0], shape, use_meta)
     if target in _TRANSPOSE_FUNCTIONS and len(args) == 3 and not kwargs:
         return _transpose(node, args[0], args[1], args[2], use_meta)
     if target is torch.permute and len(args) == 2 and not kwargs:
@@ -139,10 +136,25 @@ def _canonical_form(node: torch.fx.Node, use_meta: bool):
     return None
 
 
+def _shape_argument(sizes):
+    """x.view(a, b) and x.view((a, b)) -> (a, b); x.view(y.shape) -> the shape node itself; None if unsure."""
+    if len(sizes) == 1 and isinstance(sizes[0], (tuple, list)):
+        return tuple(sizes[0])
+    if len(sizes) == 1 and isinstance(sizes[0], torch.fx.Node):
+        size = sizes[0]
+        value = example_value(size)
+        if isinstance(value, (int, torch.SymInt)):
+            return (size,)
+        if isinstance(value, (tuple, list)) or (size.target is getattr and size.args[1] == "shape"):
+            return size
+        return None
+    return tuple(sizes)
+
+
 def _reshape(node, source, shape, use_meta):
     if use_meta and _same_shape(example_value(source), example_value(node)):
         return ("drop", source)
-    return ("replace", "call_function", torch.reshape, (source, tuple(shape)), {})
+    return ("replace", "call_function", torch.reshape, (source, shape), {})
 
 
 def _transpose(node, source, d0, d1, use_meta):
@@ -175,11 +187,13 @@ def _mean(args, kwargs):
     if len(args) > 3 or any(k in bound for k in kwargs) or not set(kwargs) <= {"dim", "keepdim", "dtype"}:
         return None
     bound.update(kwargs)
-    if bound.get("dim") is None:
+    dim = bound.get("dim")
+    if dim is None:
         return None
+    if isinstance(dim, (list, tuple)) and len(dim) == 1:
+        dim = dim[0]  # mean over [-1] is mean over -1
     extra = {"dtype": bound["dtype"]} if bound.get("dtype") is not None else {}
-    return ("replace", "call_function", torch.mean, (bound["input"], bound["dim"], bool(bound.get("keepdim", False))),
-            extra)
+    return ("replace", "call_function", torch.mean, (bound["input"], dim, bool(bound.get("keepdim", False))), extra)
 
 
 def _softmax(args, kwargs):

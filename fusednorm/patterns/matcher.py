@@ -78,6 +78,10 @@ class _Matcher:
         if p in self.meta_exprs:
             yield st
             return
+        if is_cast(p):
+            # A cast in the pattern may be absent from the graph: canonicalisation drops casts to the dtype a
+            # tensor already has (a float32 model's .float()), and the fused op computes in float32 regardless.
+            yield from self.node(p.args[0], t, st)
         if not isinstance(t, torch.fx.Node) or t.op != p.op or t.target != p.target:
             return
         if p in st.nodes:
@@ -133,6 +137,11 @@ class _Matcher:
                 yield from self.seq(list(pv), list(tv), st)
         elif _literal_equal(pv, tv):
             yield st
+
+
+def is_cast(node: torch.fx.Node) -> bool:
+    """The canonical dtype cast ``x.to(dtype)`` (canonical.py spells every cast this way)."""
+    return node.op == "call_method" and node.target == "to" and len(node.args) == 2 and not node.kwargs
 
 
 def _first_tensor_input(node: torch.fx.Node):

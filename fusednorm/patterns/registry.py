@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import operator
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -34,6 +35,7 @@ import torch.fx
 
 from .binding import (NORM_KINDS, OP_ARGS, REQUIRED_ARGS, BindingError, Derived, Fixed, PatternError,
                       check_op_args, resolve)
+from .matcher import is_cast
 from .ops import ATTENTION_TARGETS, LAYER_NORM, NORM_TARGETS, RMS_NORM, read_args, signature_of
 from .tracing import meta_expressions, trace_search
 
@@ -83,8 +85,9 @@ class Pattern:
         self.norm = _norm_kind(name, norm, self.roles["norm"], self.bind)
         _check_residual(name, self.roles["add"], self.bind)
         _check_parameters_used(name, self.graph, self.meta_exprs, self.params)
-        self.targets = frozenset((n.op, n.target) for n in self.graph.nodes
-                                 if n.op in ("call_function", "call_method") and n not in self.meta_exprs)
+        self.targets = frozenset((n.op, n.target) for n in self.graph.nodes  # casts may be absent (matcher.py)
+                                 if n.op in ("call_function", "call_method") and n not in self.meta_exprs
+                                 and not is_cast(n))
         self.depth = _depth(self.graph, self.meta_exprs)
 
     def __repr__(self):
@@ -106,7 +109,11 @@ class Pattern:
         missing = [p for p in self.params if p not in inputs]
         if missing:
             raise PatternError(f"pattern {self.name!r}: example inputs lack {missing}")
-        expected = self.search(**inputs)
+        try:
+            expected = self.search(**inputs)
+        except Exception as e:
+            raise PatternError(f"pattern {self.name!r}: the search function fails on the example inputs "
+                               f"({type(e).__name__}: {e})") from e
         try:
             args = resolve(self.bind, inputs)
             check_op_args(args, self.norm)
@@ -184,7 +191,7 @@ def _find_roles(name, graph: torch.fx.Graph) -> dict[str, torch.fx.Node]:
     root = out.args[0]
     norm = next((n for n in calls if n.target in NORM_TARGETS), None)
     attention = next((n for n in calls if n.target in ATTENTION_TARGETS), None)
-    if not (isinstance(root, torch.fx.Node) and root.target is __import__("operator").add):
+    if not (isinstance(root, torch.fx.Node) and root.target is operator.add):
         raise PatternError(f"pattern {name!r}: the search function must return the residual add x + ...")
     if norm is None:
         raise PatternError(f"pattern {name!r}: no norm found in the search function (F.layer_norm, F.rms_norm, or "
@@ -225,17 +232,10 @@ def _check_parameters_used(name, graph, meta_exprs, params):
     reached, stack = set(), [next(n for n in graph.nodes if n.op == "output").args[0]]
     while stack:
         n = stack.pop()
-        if not isinstance(n, torch.fx.Node) or n in reached or n in meta_exprs:
+        if not isinstance(n, torch.fx.Node) or n in reached:
             continue
         reached.add(n)
-        sig = signature_of(n)
-        args = read_args(n) if sig is not None else None
-        if args is None:
-            stack.extend(n.all_input_nodes)
-        else:
-            for arg_name, value in args.items():
-                if arg_name not in sig.sizes:
-                    torch.fx.node.map_arg(value, stack.append)
+        stack.extend(_matched_inputs(n, meta_exprs))
     unused = [p for p in params if p not in {n.target for n in reached if n.op == "placeholder"}]
     if unused:
         raise PatternError(f"pattern {name!r}: parameter(s) {unused} are not used by the search function's "

@@ -8,6 +8,7 @@ node gets the ``example_value`` metadata that later compiler stages expect.
 from __future__ import annotations
 
 import builtins
+import contextlib
 import operator
 
 import torch
@@ -113,18 +114,10 @@ def run_on_fakes(node: torch.fx.Node, fake_mode):
 
     args = torch.fx.node.map_aggregate(node.args, value)
     kwargs = torch.fx.node.map_aggregate(node.kwargs, value)
-    ctx = fake_mode if fake_mode is not None else _nullcontext()
-    with ctx:
+    with fake_mode if fake_mode is not None else contextlib.nullcontext():
         if node.op == "call_function":
             return node.target(*args, **kwargs)
         if node.op == "call_method":
             return getattr(args[0], node.target)(*args[1:], **kwargs)
     raise ValueError(f"cannot evaluate a {node.op} node on fakes")
 
-
-class _nullcontext:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False

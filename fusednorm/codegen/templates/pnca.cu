@@ -23,7 +23,7 @@ struct Params {
   int* flag;           // set to 1 when the output holds NaN/Inf (CHECK_NUMERICS only)
   long long k_sb, k_sh, k_sl;
   long long v_sb, v_sh, v_sl;
-  long long m_sb, m_sh, m_sq;  // the key stride is 1 (launch.py makes it so)
+  long long m_sb, m_sh, m_sq;  // the key stride is 1 (run_kernel makes it so)
   int batch, q_len, kv_len, heads, model_dim;
   int heads_per_item, head_groups, row_blocks, items;
   float eps, scale_log2;

@@ -1,0 +1,140 @@
+"""The pass pipeline: its order and dump hook, the canonicalise pass (values unchanged, fewer spellings, in-place
+safety), and the rule that a block with no fused CUDA kernel/plan is left to the compiler and reported."""
+from __future__ import annotations
+
+import types
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import fusednorm.passes as passes
+import fusednorm.passes.match as match_pass
+from fusednorm.options import Options
+from fusednorm.passes import PassContext
+from fusednorm.report import Report
+
+
+def dynamo_graph(fn, *args) -> torch.fx.GraphModule:
+    """Dynamo's FX graph of fn (as a backend receives it)."""
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch.compile(fn, backend=capture, fullgraph=True)(*args)
+    (gm,) = graphs
+    return gm
+
+
+def context():
+    return PassContext(options=Options(), example_inputs=[], report=Report())
+
+
+def test_pipeline_order_and_reasons():
+    assert [p.name for p in passes.PIPELINE] == ["canonicalize", "match", "diagnose", "rewrite", "cleanup"]
+    assert all(p.why for p in passes.PIPELINE)
+
+
+def test_run_pipeline_calls_the_dump_hook_after_each_pass():
+    seen = []
+
+    class Recording(PassContext):
+        def after_pass(self, index, name, gm):
+            seen.append((index, name, len(gm.graph.nodes)))
+
+    gm = dynamo_graph(lambda x: F.layer_norm(x, (8,)) + 1, torch.randn(2, 3, 8))
+    passes.run_pipeline(gm, Recording(options=Options(), example_inputs=[], report=Report()))
+    assert [(i, n) for i, n, _ in seen] == [(0, "input")] + [(i + 1, p.name) for i, p in enumerate(passes.PIPELINE)]
+
+
+def spellings(x, y, w):
+    a = x.view(2, 3, 4, 2).transpose(1, 2).contiguous()          # view, transpose, contiguous
+    b = torch.reshape(y, (2, 3, 4, 2)).permute(0, 2, 1, 3)        # a permute that swaps two dims
+    s = (a @ b.transpose(-1, -2)).mul(1.0) / 1                    # @, x * 1, x / 1
+    p = torch.softmax(s.float(), -1, dtype=torch.float32)         # cast to the same dtype, softmax(dtype=)
+    p = F.dropout(p, 0.5, training=False)                         # inert dropout
+    o = torch.bmm(p.flatten(0, 1), b.flatten(0, 1).type_as(p))   # bmm, type_as the same dtype
+    return F.linear(o.pow(2).mean(-1, keepdim=True).rsqrt() * o, w)
+
+
+def test_canonicalize_keeps_values_and_leaves_one_spelling():
+    args = (torch.randn(2, 3, 8), torch.randn(2, 3, 8), torch.randn(5, 2))
+    gm = dynamo_graph(spellings, *args)
+    expected = gm(*args)
+    passes.canonicalize.run(gm, context())
+    gm.recompile()
+    assert torch.equal(gm(*args)[0] if isinstance(expected, tuple) else gm(*args),
+                       expected[0] if isinstance(expected, tuple) else expected)
+    calls = [(n.op, n.target) for n in gm.graph.nodes if n.op in ("call_function", "call_method")]
+    methods = {t for op, t in calls if op == "call_method"}
+    functions = {t for op, t in calls if op == "call_function"}
+    assert not methods & {"view", "transpose", "contiguous", "permute", "float", "type_as", "matmul", "mul", "pow",
+                          "mean", "rsqrt", "softmax"}
+    assert not functions & {torch.bmm, F.dropout, torch.softmax}
+    assert {torch.reshape, torch.transpose, torch.matmul, F.softmax, torch.pow, torch.mean, torch.rsqrt} <= functions
+    import operator
+    assert not any(n.target in (operator.mul, operator.truediv) and 1 in n.args for n in gm.graph.nodes)
+
+
+def test_canonicalize_keeps_an_identity_op_that_guards_an_in_place_update():
+    def update(x):
+        y = x.contiguous()   # a copy, because x is a transposed view: dropping it would let add_ reach x
+        y.add_(1)
+        return x * 2 + y
+
+    x = torch.randn(4, 3).t()
+    gm = dynamo_graph(update, x.clone())
+    expected = update(x.clone())
+    passes.canonicalize.run(gm, context())
+    gm.recompile()
+    assert torch.equal(gm(x.clone())[0], expected)
+
+
+def test_what_runs_on_cuda(monkeypatch):
+    import fusednorm.dispatch as dispatch
+
+    args = {n: None for n in ("k", "v", "gamma", "beta", "wq", "bq", "wo", "bo", "mask")}
+    args["x"] = types.SimpleNamespace(device=torch.device("cuda"))
+    monkeypatch.setattr(dispatch, "why_not_fast", lambda *a: "head dim 7 is not supported")
+    assert match_pass._what_runs(args, "layer") == ("left to the compiler", "head dim 7 is not supported")
+
+    def no_codegen(*a):
+        raise ImportError("No module named 'fusednorm.codegen'")
+
+    monkeypatch.setattr(dispatch, "why_not_fast", no_codegen)
+    runs, reason = match_pass._what_runs(args, "layer")
+    assert "fusednorm.codegen is not available" in reason
+    monkeypatch.setattr(dispatch, "why_not_fast", lambda *a: None)
+    assert match_pass._what_runs(args, "layer") == ("generated CUDA kernel", None)
+    assert match_pass._what_runs({**args, "wq": object()}, "layer") == ("CUDA projection plan", None)
+    assert match_pass._what_runs({**args, "x": types.SimpleNamespace(device=torch.device("cpu"))},
+                                 "layer") == ("reference", None)
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm, self.k, self.v = nn.LayerNorm(16), nn.Linear(16, 16), nn.Linear(16, 16)
+
+    def forward(self, x, c):
+        split = lambda t: t.view(t.shape[0], -1, 2, 8).transpose(1, 2)  # noqa: E731
+        a = F.scaled_dot_product_attention(split(self.norm(x)), split(self.k(c)), split(self.v(c)))
+        return x + a.transpose(1, 2).reshape(x.shape)
+
+
+def test_a_block_without_a_fast_path_is_left_to_the_compiler(fusion, monkeypatch):
+    monkeypatch.setattr(match_pass, "_what_runs", lambda args, norm: ("left to the compiler", "no kernel for d=8"))
+    model = Block().eval()
+    x, c = torch.randn(2, 3, 16), torch.randn(2, 5, 16)
+    assert torch.equal(fusion.compile(model)(x, c), model(x, c))
+    assert fusion.fused == 0
+    assert "no fused CUDA kernel/plan for this block: no kernel for d=8" in fusion.reasons()
+
+
+def test_projection_free_block_is_fused(fusion):
+    model = Block().eval()
+    fusion.run(model, torch.randn(2, 3, 16), torch.randn(2, 5, 16))
+    assert fusion.fused == 1
+    assert fusion.matches[0].summary["projections"] == []
