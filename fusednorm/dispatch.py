@@ -1,4 +1,4 @@
-"""Where a CUDA call of the fused op goes: a generated kernel, a projection plan, or the reference (warned once)."""
+"""Where a CUDA call of the fused op goes: the generated kernel, or the reference (warned once)."""
 from __future__ import annotations
 
 from .reference import reference_pre_norm_cross_attn
@@ -6,28 +6,22 @@ from .warn import warn_once
 
 
 def why_not_fast(x, k, v, gamma, beta, wq, bq, wo, bo, mask, norm) -> str | None:
-    """None when a generated kernel / plan runs these inputs on CUDA, else the reason in words (works on fakes)."""
+    """None when a generated kernel runs these inputs on CUDA, else the reason in words (works on fakes)."""
     if wq is None and wo is None:
         from .codegen import why_no_kernel
 
         return why_no_kernel(x, k, v, gamma, beta, mask, norm)
-    try:
-        from .plans import why_no_plan
-    except ImportError:
-        return "no projection plan is built into this version"
+    from .plans import why_no_plan
+
     return why_no_plan(x, k, v, gamma, beta, wq, bq, wo, bo, mask, norm)
 
 
 def run_cuda(x, k, v, gamma, beta, wq, bq, wo, bo, mask, norm, eps, scale, sm_count, check_numerics):
     reason = why_not_fast(x, k, v, gamma, beta, wq, bq, wo, bo, mask, norm)
-    if reason is None:
-        if wq is None and wo is None:
-            from .codegen import run_kernel
+    if reason is None:  # only the projection-free form has a kernel (plans/ says why)
+        from .codegen import run_kernel
 
-            return run_kernel(x, k, v, gamma, beta, mask, norm, eps, scale, sm_count, check_numerics)
-        from .plans import run_plan
-
-        return run_plan(x, k, v, gamma, beta, wq, bq, wo, bo, mask, norm, eps, scale, sm_count, check_numerics)
+        return run_kernel(x, k, v, gamma, beta, mask, norm, eps, scale, sm_count, check_numerics)
     warn_once(f"fusednorm: no generated CUDA kernel for this call ({reason}); running the reference implementation")
     y = reference_pre_norm_cross_attn(x, k, v, gamma, beta, wq, bq, wo, bo, mask, norm, eps, scale)
     if check_numerics:

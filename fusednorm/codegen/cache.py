@@ -137,7 +137,11 @@ def get_kernel(spec: KernelSpec, directory: Path | None = None) -> CompiledKerne
                 _write_entry(path, spec, fp, cubin, usage)
                 kernel = CompiledKernel(spec, cubin, usage, from_disk=False)
         _memory[mem_key] = kernel
-        return kernel
+    from ..inspect.kernels import record_kernel  # dumps, traces and explain show what was built
+
+    record_kernel(spec.key, source, compile_options(spec.arch),
+                  {**kernel.usage.as_dict(), "dynamic_smem": spec.smem_bytes}, cached=kernel.from_disk)
+    return kernel
 
 
 def clear_memory_cache() -> None:

@@ -1,4 +1,4 @@
-"""The projection plan: the whole block in three launches on CUDA.
+"""The projection plan's three stages (the kernel of stage 2 is not generated yet; see plans/__init__.py).
 
     1. qraw = x @ Wq'^T              cuBLAS, float32 output (the norm is folded into Wq', see weights.py)
     2. attention stage               one generated kernel: row stats of x, q = rstd*(qraw - mean*u) + b',
@@ -13,31 +13,6 @@ from __future__ import annotations
 import torch
 
 from ..reference import attention, compute_dtype
-from .weights import fold_weights
-
-
-def qraw_gemm(x2: torch.Tensor, wq_folded: torch.Tensor) -> torch.Tensor:
-    """x2 [M, D] @ Wq'^T -> [M, Dq] in float32 (tensor cores, fp32 accumulate and output)."""
-    return torch.mm(x2, wq_folded.t(), out_dtype=torch.float32)
-
-
-def run_plan(x, k, v, gamma, beta, wq, bq, wo, bo, mask, norm, eps, scale, sm_count, check_numerics):
-    from ..codegen import run_attention_stage
-
-    B, Lq, D = x.shape
-    x2 = x.reshape(B * Lq, D).contiguous()
-    fw = fold_weights(norm, gamma, beta, wq, bq, wo, bo, x.dtype)
-    if wq is not None:
-        stage_q = dict(qraw=qraw_gemm(x2, fw.wq), u=fw.u, b=fw.b)
-    else:
-        stage_q = dict(gamma=gamma, beta=beta)
-    out = run_attention_stage(
-        x2.view(B, Lq, D), k, v, mask, norm, eps, scale, **stage_q,
-        o_cols=None if wo is None else fw.o_cols, sm_count=sm_count, check_numerics=check_numerics,
-    )
-    if wo is None:
-        return out
-    return torch.addmm(x2, out, fw.wo.t()).view(B, Lq, D)
 
 
 def attention_stage_reference(x, k, v, mask, norm, eps, scale, qraw, u, b):
