@@ -18,6 +18,7 @@ from ..patterns.ops import (LAYER_NORM, LINEAR, MHA, RMS_NORM, SDPA, SIGNATURES,
 from ..report import NearMiss
 from .context import PassContext
 from .locations import locations
+from .match import depends_on
 
 _WINDOW = 400          # graph positions searched between a norm, its attention and its add
 _CONTRACTIONS = {torch.matmul, torch.baddbmm, torch.einsum, torch.bmm}
@@ -73,7 +74,7 @@ def _diagnose(graph: torch.fx.Graph, ctx: PassContext) -> None:
         for att in attentions:
             if att.query is None or not 0 < order[att.node] - order[norm.out] <= _WINDOW:
                 continue
-            if not _depends_on(att.query, norm.out, order):
+            if not depends_on(att.query, {norm.out}, order):
                 continue
             add = _residual_add(att.node, norm.x, order)
             if add is None:
@@ -224,22 +225,6 @@ def _softmax_site(softmax: torch.fx.Node) -> AttentionSite:
     return AttentionSite(softmax, query, keys, False, dropout, "explicit_softmax")
 
 
-def _depends_on(node, ancestor, order) -> bool:
-    if not isinstance(node, torch.fx.Node):
-        return False
-    low = order[ancestor]
-    seen, stack = set(), [node]
-    while stack:
-        n = stack.pop()
-        if n is ancestor:
-            return True
-        if n in seen or order[n] < low:
-            continue
-        seen.add(n)
-        stack.extend(n.all_input_nodes)
-    return False
-
-
 def _descendants(node, limit, order) -> set[torch.fx.Node]:
     seen, stack = set(), [node]
     while stack:
@@ -278,7 +263,7 @@ def _explain(norm: NormSite, att: AttentionSite, add, fails, order) -> tuple[str
     reasons = []
     if norm.problem:
         reasons.append(norm.problem)
-    if any(_depends_on(k, norm.out, order) for k in att.keys if isinstance(k, torch.fx.Node)):
+    if any(depends_on(k, {norm.out}, order) for k in att.keys if isinstance(k, torch.fx.Node)):
         reasons.append("self-attention: the normed x also feeds K/V")
     if att.causal:
         reasons.append("causal attention (is_causal=True) is not cross-attention")

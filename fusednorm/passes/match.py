@@ -198,7 +198,7 @@ def _inputs_from_inside(pattern: Pattern, sm: StructuralMatch, order) -> str | N
     kv = _kv_params(pattern)
     owned = sm.owned - {sm.anchor}
     for param, value in sm.values.items():
-        if isinstance(value, torch.fx.Node) and (value in owned or _depends_on(value, owned, order)):
+        if isinstance(value, torch.fx.Node) and (value in owned or depends_on(value, owned, order)):
             if param in kv:
                 return "self-attention: the normed x also feeds K/V"
             return f"the block's input {param!r} ({value.name}) is computed inside the block"
@@ -207,7 +207,7 @@ def _inputs_from_inside(pattern: Pattern, sm: StructuralMatch, order) -> str | N
 
 def _ownership_reason(pattern, sm, foreign, roles, order) -> str:
     kv_nodes = [sm.values[p] for p in _kv_params(pattern) if isinstance(sm.values.get(p), torch.fx.Node)]
-    if any(_depends_on(n, sm.owned, order) for n in kv_nodes):
+    if any(depends_on(n, sm.owned, order) for n in kv_nodes):
         return "self-attention: the normed x also feeds K/V"
     attention = roles.get("attention")
     node, users = next(iter(sorted(foreign.items(), key=lambda kv: order.get(kv[0], 0))))
@@ -217,7 +217,7 @@ def _ownership_reason(pattern, sm, foreign, roles, order) -> str:
     return f"an intermediate of the block ({node.name}) has other users outside it: {where}"
 
 
-def _depends_on(node: torch.fx.Node, targets: set[torch.fx.Node], order) -> bool:
+def depends_on(node: torch.fx.Node, targets: set[torch.fx.Node], order) -> bool:
     """Is some node of ``targets`` an ancestor of ``node``? (searches only nodes after the earliest target)"""
     if not targets:
         return False
