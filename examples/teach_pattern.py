@@ -67,12 +67,19 @@ def heads_out_of_batch(t, x):
     return t.view(x.shape[0], -1, t.shape[1], t.shape[2])
 
 
+def example_inputs(B=2, Lq=5, D=32, H=4, Lk=7) -> dict:
+    """Small random values of the search function's parameters: register_pattern checks the binding on them."""
+    r = torch.randn
+    return dict(x=r(B, Lq, D), gamma=r(D), beta=r(D), eps=1e-5, wq=r(D, D), k=r(B * H, Lk, D // H),
+                v=r(B * H, Lk, D // H), wo=r(D, D), bo=r(D), scale=(D // H) ** -0.5, empty=r(B * H, Lq, Lk))
+
+
 def register() -> None:
     fusednorm.register_pattern(
         "legacy_sd_baddbmm", legacy_sd_cross_attention,
         bind={"x": "x", "gamma": "gamma", "beta": "beta", "eps": "eps", "wq": "wq", "wo": "wo", "bo": "bo",
               "scale": "scale", "k": Derived(heads_out_of_batch, "k", "x"), "v": Derived(heads_out_of_batch, "v", "x")},
-        norm="layer",
+        norm="layer", example_inputs=example_inputs(),
     )
 
 
