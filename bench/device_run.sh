@@ -11,6 +11,6 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())"
 timeout 130 python3 -m pytest tests/gpu -q -x -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -4
-timeout 170 python3 bench/bench_block.py --form noproj --out "$OUT" 2>&1 | tee "$OUT/bench_block.log" | tail -12
-timeout 130 python3 -m pytest tests -q -m "not gpu" -n 8 -p no:cacheprovider 2>&1 | tee "$OUT/cpu_tests.log" | tail -4
-timeout 120 python3 bench/models.py --out "$OUT" --models whisper,torch 2>&1 | tee "$OUT/models.log" | tail -6
+timeout 150 python3 bench/bench_block.py --form noproj --out "$OUT" 2>&1 | tee "$OUT/bench_block.log" | tail -12
+timeout 100 python3 -m pytest tests -q -m "not gpu" -n 8 -p no:cacheprovider 2>&1 | tee "$OUT/cpu_tests.log" | tail -4
+timeout 100 python3 bench/models.py --out "$OUT" --models whisper,torch 2>&1 | tee "$OUT/models.log" | tail -6
