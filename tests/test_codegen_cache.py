@@ -99,3 +99,22 @@ def test_two_processes_compile_one_key(cache_dir):
         assert p.exitcode == 0
     assert sorted(r[0] for r in results) == [False, True], "exactly one process compiles; the other reads"
     assert results[0][1] == results[1][1]
+
+
+def test_a_real_compile_lands_in_the_dump_with_its_resources(tmp_path, monkeypatch):
+    """The codegen reports what it builds: with FUSEDNORM_DUMP set, the NVRTC compile writes source + figures."""
+    import json
+
+    from fusednorm.codegen.cache import clear_memory_cache, get_kernel
+
+    dump_dir = tmp_path / "dump"
+    monkeypatch.setenv("FUSEDNORM_DUMP", str(dump_dir))
+    clear_memory_cache()
+    kernel = get_kernel(SPEC, directory=tmp_path / "cache")
+    source = (dump_dir / "kernels" / f"{SPEC.key}.cu").read_text()
+    meta = json.loads((dump_dir / "kernels" / f"{SPEC.key}.json").read_text())
+    assert "__global__" in source
+    assert meta["key"] == SPEC.key and meta["cached"] is False
+    assert meta["resources"]["registers"] == kernel.usage.registers > 0
+    assert meta["resources"]["spill_stores"] == 0
+    assert any("sm_90" in o for o in meta["options"])
