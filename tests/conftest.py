@@ -29,6 +29,14 @@ def first_tensor(out):
     raise TypeError(f"no tensor in {type(out).__name__}")
 
 
+def perturb(module: torch.nn.Module) -> torch.nn.Module:
+    """Move every parameter off its init (LayerNorm starts at weight 1, bias 0) so a wrong binding shows."""
+    with torch.no_grad():
+        for p in module.parameters():
+            p.add_(0.2 * torch.randn_like(p))
+    return module
+
+
 def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
     actual, expected = actual.detach().double(), expected.detach().double()
     return float((actual - expected).norm() / expected.norm())

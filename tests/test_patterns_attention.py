@@ -10,16 +10,11 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from conftest import perturb
 
 B, LQ, LK, D, H, CTX = 2, 5, 7, 32, 4, 24
 HD = D // H
 
-
-def perturb(module: nn.Module) -> nn.Module:
-    with torch.no_grad():
-        for p in module.parameters():
-            p.add_(0.2 * torch.randn_like(p))
-    return module
 
 
 def split(t, b):

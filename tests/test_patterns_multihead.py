@@ -6,15 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn as nn
+from conftest import perturb
 
 B, LQ, LK, D, H = 2, 5, 7, 32, 4
 
-
-def perturb(module: nn.Module) -> nn.Module:
-    with torch.no_grad():
-        for p in module.parameters():
-            p.add_(0.2 * torch.randn_like(p))
-    return module
 
 
 class MHABlock(nn.Module):

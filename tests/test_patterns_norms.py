@@ -8,17 +8,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 from transformers.models.t5.modeling_t5 import T5LayerNorm
+from conftest import perturb
 
 B, LQ, LK, D, H = 2, 5, 7, 32, 4
 HD = D // H
 
-
-def perturb(module: nn.Module) -> nn.Module:
-    """Move every parameter off its init (LayerNorm starts at weight 1, bias 0) so a wrong binding shows."""
-    with torch.no_grad():
-        for p in module.parameters():
-            p.add_(0.2 * torch.randn_like(p))
-    return module
 
 
 class SdpaCrossAttention(nn.Module):
