@@ -37,6 +37,8 @@ def config_constants(spec: KernelSpec) -> dict:
         "MASK_KIND": {"none": 0, "bool": 1, "add": 2}[spec.mask],
         "MASK_IS_F32": spec.mask_f32,
         "CHECK_NUMERICS": spec.check_numerics,
+        "Q_FROM_QRAW": spec.q_from_qraw,
+        "WRITE_O": spec.write_o,
         "SMEM_BYTES": spec.smem_bytes(),
         "MIN_CTAS_PER_SM": spec.min_ctas_per_sm,
     }

@@ -89,6 +89,8 @@ class KernelSpec:
     tile: TileConfig
     arch: int               # 80, 86, 89, 90, ...
     check_numerics: bool
+    q_from_qraw: bool = False  # projection plan: q from float32 x @ Wq'^T and the row stats (norm folded into Wq')
+    write_o: bool = False      # projection plan: write o (no residual) for the out GEMM, plus its ones column
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -102,6 +104,9 @@ class KernelSpec:
         if self.mask not in MASK_KINDS:
             raise ValueError(f"fusednorm: mask kind must be one of {MASK_KINDS}, got {self.mask!r}")
         # canonical forms, so that equal code means an equal key
+        if self.q_from_qraw and (self.has_gamma or self.has_beta):  # folded into Wq': the kernel never reads them
+            object.__setattr__(self, "has_gamma", False)
+            object.__setattr__(self, "has_beta", False)
         if not (self.has_gamma or self.has_beta) and self.affine_f32:
             object.__setattr__(self, "affine_f32", False)
         if self.mask != "add" and self.mask_f32:
@@ -119,7 +124,7 @@ class KernelSpec:
         """__launch_bounds__ minimum: the memory-bound small-head base tile is worth the 3 CTAs per SM its shared
         memory allows (<= 168 registers); elsewhere the compiler may use what it needs."""
         t = self.tile
-        if t.key_split == 1 and t.m_tiles == 1 and t.warps == 4 and self.head_dim <= 64:
+        if t.key_split == 1 and t.m_tiles == 1 and t.warps == 4 and t.block_n <= 64 and self.head_dim <= 64:
             return 3
         return 1
 
@@ -129,7 +134,8 @@ class KernelSpec:
         if self.affine_f32:
             affine += "32"
         mask = {"none": "mnone", "bool": "mbool", "add": "madd32" if self.mask_f32 else "madd"}[self.mask]
-        key = (f"pnca_{self.dtype}_d{self.head_dim}_{self.norm}_{affine}_{mask}_{self.tile.token}"
+        stage = ("_qf" if self.q_from_qraw else "") + ("_wo" if self.write_o else "")
+        key = (f"pnca_{self.dtype}_d{self.head_dim}_{self.norm}_{affine}_{mask}{stage}_{self.tile.token}"
                f"_sm{self.arch}")
         return key + "_chk" if self.check_numerics else key
 
@@ -142,7 +148,7 @@ class KernelSpec:
         pad = (self.head_dim + 15) // 16 * 16
         row_stride = pad + 8
         kv = 2 * t.stages * t.kv_rows * row_stride * 2
-        q = t.warps * t.rows_per_warp * row_stride * 2
+        q = t.warps * t.rows_per_warp * row_stride * 2 if self.q_in_smem else 0
         x_slots = t.stages * t.block_m * row_stride * 2
         stats = t.warps * t.rows_per_warp * 2 * 4
         combine = t.warps * 16 * (self.head_dim + 2) * 4 if t.key_split > 1 else 0
@@ -152,7 +158,7 @@ class KernelSpec:
 def supported_grid(archs=ARCHS):
     """Specs CI compiles: every (dtype, head dim, tile role, arch) with the heaviest options (LayerNorm with fp32
     gamma and beta, fp32 additive mask, numerics check), plus each lighter option value at least once per
-    (dtype, head dim) on the base tile."""
+    (dtype, head dim), and the projection plan's stage modes."""
     specs = {}
     for arch in archs:
         for dtype in DTYPES:
@@ -164,6 +170,13 @@ def supported_grid(archs=ARCHS):
                 for s in (KernelSpec(dtype, d, "rms", True, False, False, "bool", False, base, arch, False),
                           KernelSpec(dtype, d, "layer", False, False, False, "add", False, base, arch, False),
                           KernelSpec(dtype, d, "layer", True, True, False, "none", False, tile_for("short", d),
-                                     arch, False)):
+                                     arch, False),
+                          # the projection plan's attention stage (folded Q in, o out), LayerNorm and RMS
+                          KernelSpec(dtype, d, "layer", False, False, False, "add", True, tile_for("long", d), arch,
+                                     True, q_from_qraw=True, write_o=True),
+                          KernelSpec(dtype, d, "rms", False, False, False, "bool", False, tile_for("short", d), arch,
+                                     False, q_from_qraw=True, write_o=True),
+                          KernelSpec(dtype, d, "layer", True, True, False, "none", False, base, arch, False,
+                                     write_o=True)):
                     specs[s.key] = s
     return list(specs.values())

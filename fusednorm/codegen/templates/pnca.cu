@@ -1,4 +1,7 @@
-// Pre-norm cross-attention without projections: y = x + MHA(norm(x) split into heads, k, v).
+// Pre-norm cross-attention: y = x + MHA(norm(x) split into heads, k, v), and the attention stage of the projection
+// plan (fusednorm/plans): with Q_FROM_QRAW the queries come from qraw = x @ Wq'^T (float32, the norm folded into Wq',
+// so q = rstd * (qraw - mean * u) + b'), and with WRITE_O the kernel writes o (no residual; the out GEMM adds it),
+// plus, when asked, a ones column after the last head that carries bo through the out GEMM.
 //
 // A CTA works through work items (batch b, a block of BLOCK_M query rows, a group of heads), dealt round-robin over
 // a persistent grid, so the result never depends on the grid size. The CTA's whole share is one flat sequence of
@@ -14,26 +17,32 @@
 
 struct Params {
   const u16* x;        // [B, Lq, D], contiguous
-  u16* y;              // [B, Lq, D], contiguous
+  u16* y;              // [B, Lq, D] (or [B, Lq, y_ld] holding o with WRITE_O), rows contiguous
   const u16* k;        // [B, H, Lk, d], last dim contiguous
   const u16* v;
   const void* gamma;   // [D] or null
   const void* beta;    // [D] or null
   const void* mask;    // broadcast to [B, H, Lq, Lk] through the m_s* strides (keys contiguous), or null
   int* flag;           // set to 1 when the output holds NaN/Inf (CHECK_NUMERICS only)
+  const float* qraw;   // [B * Lq, q_ld] (Q_FROM_QRAW only)
+  const float* q_u;    // [H * d]: Wq' @ 1, multiplies the row mean (Q_FROM_QRAW with LayerNorm only)
+  const float* q_b;    // [H * d]: Wq @ beta + bq (Q_FROM_QRAW only)
   long long k_sb, k_sh, k_sl;
   long long v_sb, v_sh, v_sl;
   long long m_sb, m_sh, m_sq;  // the key stride is 1 (run_kernel makes it so)
+  long long q_ld, y_ld;        // row strides of qraw and y, in elements
   int batch, q_len, kv_len, heads, model_dim;
   int heads_per_item, head_groups, row_blocks, items;
+  int ones_col;                // WRITE_O: also write [1, 0 x 7] at column H * d of every row
   float eps, scale_log2;
 };
-static_assert(sizeof(Params) == 184, "Params must match the packing in fusednorm/codegen/launch.py");
+static_assert(sizeof(Params) == 224, "Params must match the packing in fusednorm/codegen/launch.py");
 
 constexpr int THREADS = WARPS * 32;
 constexpr int HEAD_DIM_PAD = (HEAD_DIM + 15) / 16 * 16;  // QK^T runs in k-steps of 16; d = 40 pads with zeros
 constexpr int ROW_STRIDE = HEAD_DIM_PAD + 8;             // +16 bytes: the 8 rows of an ldmatrix hit distinct banks
 constexpr int CHUNKS = HEAD_DIM / 8;                     // 16-byte chunks per head row
+constexpr bool NEEDS_X_SLICE = !Q_FROM_QRAW || !WRITE_O;  // for the norm of Q, or for the residual
 constexpr int ROWS_PER_WARP = 16 * M_TILES;
 constexpr int BLOCK_M = KEY_SPLIT > 1 ? ROWS_PER_WARP : WARPS * ROWS_PER_WARP;
 constexpr int KV_ROWS = BLOCK_N * KEY_SPLIT;             // keys per pipeline stage
@@ -45,7 +54,7 @@ constexpr int STAT_ROWS = 4;  // rows whose loads are in flight together in the 
 static_assert(KEY_SPLIT == 1 || (KEY_SPLIT == WARPS && M_TILES == 1), "key split shares one m-tile");
 static_assert(BLOCK_N % 16 == 0 && HEAD_DIM % 8 == 0 && ROWS_PER_WARP % STAT_ROWS == 0, "tile shape");
 
-// Shared memory, in bytes: K stages, V stages, one Q tile per warp, STAGES x-slice slots (a head's x slice lives
+// Shared memory, in bytes: K stages, V stages, (Q_IN_SMEM only) one Q tile per warp, STAGES x-slice slots (a head's x slice lives
 // from its first stage to its epilogue, which also stages y there), per-row statistics, and (key split only) the
 // partial softmax states to merge.
 constexpr int KV_TILE_ELEMS = KV_ROWS * ROW_STRIDE;
@@ -54,7 +63,7 @@ constexpr int X_TILE_ELEMS = BLOCK_M * ROW_STRIDE;
 constexpr int OFF_K = 0;
 constexpr int OFF_V = OFF_K + STAGES * KV_TILE_ELEMS * 2;
 constexpr int OFF_Q = OFF_V + STAGES * KV_TILE_ELEMS * 2;
-constexpr int OFF_X = OFF_Q + WARPS * Q_TILE_ELEMS * 2;
+constexpr int OFF_X = OFF_Q + (Q_IN_SMEM ? WARPS * Q_TILE_ELEMS * 2 : 0);
 constexpr int OFF_STATS = OFF_X + STAGES * X_TILE_ELEMS * 2;
 constexpr int OFF_COMBINE = OFF_STATS + WARPS * ROWS_PER_WARP * 2 * 4;
 constexpr int COMBINE_BYTES = KEY_SPLIT > 1 ? WARPS * 16 * (HEAD_DIM + 2) * 4 : 0;
@@ -76,17 +85,6 @@ FN_INLINE u32x4 pack8(const float (&f)[8]) {
 
 FN_INLINE bool chunk_not_finite(const u32x4& v) {
   return pair_not_finite(v.x) || pair_not_finite(v.y) || pair_not_finite(v.z) || pair_not_finite(v.w);
-}
-
-// Eight norm parameters (gamma or beta) starting at column col; stored as the element type or as fp32.
-FN_INLINE void load_affine8(const void* ptr, int col, float (&f)[8]) {
-  if constexpr (AFFINE_IS_F32) {
-    const f32x4* p4 = reinterpret_cast<const f32x4*>(static_cast<const float*>(ptr) + col);
-    const f32x4 a = p4[0], b = p4[1];
-    f[0] = a.x; f[1] = a.y; f[2] = a.z; f[3] = a.w; f[4] = b.x; f[5] = b.y; f[6] = b.z; f[7] = b.w;
-  } else {
-    unpack8(ld_global16(static_cast<const u16*>(ptr) + col), f);
-  }
 }
 
 // The mask's contribution to a score, in log2 units: 0 / -inf for a bool mask, bias * log2(e) for an additive one.
@@ -178,72 +176,129 @@ FN_INLINE void row_statistics(const Params& p, const u16* x_batch, int row0, flo
   __syncwarp();
 }
 
-// ---- 2. the Q tile of one head: norm(x slice), rounded to the element type (one warp, its own rows) ----
+// ---- 2. the Q fragments of one head: norm(x slice), rounded to the element type (one warp, its own rows) ----
 
-// x_tile: this warp's rows of the head's x slice in shared memory.
-FN_INLINE void build_q_tile(const Params& p, int row0, int col0, const float* mean_s, const float* rstd_s,
-                            const u16* x_tile, u16* q_tile, int lane) {
-  constexpr int TOTAL = ROWS_PER_WARP * CHUNKS;
+// Two norm parameters (gamma or beta) at column col, as fp32.
+FN_INLINE float2 load_affine2(const void* ptr, int col) {
+  if constexpr (AFFINE_IS_F32) return *reinterpret_cast<const float2*>(static_cast<const float*>(ptr) + col);
+  const u32 pair = *reinterpret_cast<const u32*>(static_cast<const u16*>(ptr) + col);
+  return make_float2(lo_to_f32(pair), hi_to_f32(pair));
+}
+
+// The A fragments of QK^T come straight from the x slice (ldmatrix), and the norm is applied in registers:
+// register e of (m-tile mt, k-step kk) holds rows mt*16 + g + 8*(e&1), columns kk*16 + t2 + 8*(e>>1) + {0, 1}.
+// No Q tile is built in shared memory, unless Q_IN_SMEM (fragments too many to keep): then they are stored there.
+// Rows past Lq and the pad columns of d = 40 come out as 0.
+// With Q_FROM_QRAW the same registers are q = rstd * (qraw - mean * u) + b' = qraw * rstd + (shift * u + b'), read
+// from qraw (float32, q_rows: the warp's first row) instead of x; ga/be then hold u and b'.
+FN_INLINE void q_fragments(const Params& p, int row0, int col0, const float* mean_s, const float* rstd_s,
+                           const u16* x_tile, const float* q_rows, u16* q_tile,
+                           u32 (&qf)[Q_IN_SMEM ? 1 : M_TILES][Q_IN_SMEM ? 1 : QK_KSTEPS][4], int lane) {
+  const int g = lane >> 2, t2 = (lane & 3) * 2;
+  float rs[M_TILES][2], shift[M_TILES][2];  // h = (x * rs + shift) * gamma + beta, with shift = -mean * rs
+  bool live[M_TILES][2];
 #pragma unroll
-  for (int it = 0; it < (TOTAL + 31) / 32; ++it) {
-    const int i = lane + it * 32;
-    if (TOTAL % 32 != 0 && i >= TOTAL) break;
-    const int r = i / CHUNKS, c = (i % CHUNKS) * 8;
-    u32x4 out = {0u, 0u, 0u, 0u};  // rows past Lq stay zero: finite, and never stored
-    if (row0 + r < p.q_len) {
-      float f[8];
-      unpack8(*reinterpret_cast<const u32x4*>(x_tile + r * ROW_STRIDE + c), f);
-      const float mu = mean_s[r], rs = rstd_s[r];
-      float g[8], bt[8];
-      if constexpr (HAS_GAMMA) load_affine8(p.gamma, col0 + c, g);
-      if constexpr (HAS_BETA) load_affine8(p.beta, col0 + c, bt);
+  for (int mt = 0; mt < M_TILES; ++mt)
 #pragma unroll
-      for (int e = 0; e < 8; ++e) {
-        float h = (f[e] - mu) * rs;
-        if constexpr (HAS_GAMMA) h *= g[e];
-        if constexpr (HAS_BETA) h += bt[e];
-        f[e] = h;
-      }
-      out = pack8(f);
+    for (int i = 0; i < 2; ++i) {
+      const int r = mt * 16 + g + 8 * i;
+      live[mt][i] = row0 + r < p.q_len;
+      rs[mt][i] = rstd_s[r];
+      shift[mt][i] = -mean_s[r] * rs[mt][i];
     }
-    *reinterpret_cast<u32x4*>(q_tile + r * ROW_STRIDE + c) = out;
+#pragma unroll(Q_IN_SMEM ? 1 : QK_KSTEPS)  // fragments bound for shared memory need not all be live at once
+  for (int kk = 0; kk < QK_KSTEPS; ++kk) {
+    float2 ga[2], be[2];  // this thread's columns of the k-step, per half (u and b' with Q_FROM_QRAW)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int c = kk * 16 + t2 + h * 8;
+      const bool real = HEAD_DIM % 16 == 0 || c < HEAD_DIM;
+      if constexpr (Q_FROM_QRAW) {
+        ga[h] = !NORM_IS_RMS && real ? *reinterpret_cast<const float2*>(p.q_u + col0 + c) : make_float2(0.f, 0.f);
+        be[h] = real ? *reinterpret_cast<const float2*>(p.q_b + col0 + c) : make_float2(0.f, 0.f);
+      } else {
+        ga[h] = HAS_GAMMA && real ? load_affine2(p.gamma, col0 + c) : make_float2(1.f, 1.f);
+        be[h] = HAS_BETA && real ? load_affine2(p.beta, col0 + c) : make_float2(0.f, 0.f);
+      }
+    }
+#pragma unroll
+    for (int mt = 0; mt < M_TILES; ++mt) {
+      u32 a[4];
+      if constexpr (!Q_FROM_QRAW)
+        ldmatrix_x4(a, smem_addr(x_tile + (mt * 16 + (lane & 15)) * ROW_STRIDE + kk * 16 + (lane >> 4) * 8));
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int i = e & 1, h = e >> 1;
+        const bool pad = HEAD_DIM % 16 != 0 && kk * 16 + h * 8 >= HEAD_DIM;  // compile-time
+        float lo, hi;
+        if constexpr (Q_FROM_QRAW) {
+          float2 qr = make_float2(0.f, 0.f);
+          if (live[mt][i] && !pad)
+            qr = *reinterpret_cast<const float2*>(q_rows + (long long)(mt * 16 + g + 8 * i) * p.q_ld + col0 + kk * 16 +
+                                                  t2 + 8 * h);
+          lo = fmaf(qr.x, rs[mt][i], fmaf(shift[mt][i], ga[h].x, be[h].x));
+          hi = fmaf(qr.y, rs[mt][i], fmaf(shift[mt][i], ga[h].y, be[h].y));
+        } else {
+          lo = fmaf(fmaf(lo_to_f32(a[e]), rs[mt][i], shift[mt][i]), ga[h].x, be[h].x);
+          hi = fmaf(fmaf(hi_to_f32(a[e]), rs[mt][i], shift[mt][i]), ga[h].y, be[h].y);
+        }
+        const u32 q = live[mt][i] && !pad ? pack2_elem(lo, hi) : 0u;
+        if constexpr (Q_IN_SMEM) {
+          *reinterpret_cast<u32*>(q_tile + (mt * 16 + g + 8 * i) * ROW_STRIDE + kk * 16 + t2 + 8 * h) = q;
+        } else {
+          qf[mt][kk][e] = q;
+        }
+      }
+    }
   }
-  __syncwarp();
+  if constexpr (Q_IN_SMEM) __syncwarp();
 }
 
 // ---- K/V stage loads (whole CTA) ----
 
+// Copies are 16-byte chunks. Thread tid always copies chunk tid % CHUNKS of rows tid / CHUNKS + i * COPY_ROWS, so the
+// row and column offsets are worked out once per tile and each further row costs one pointer add (threads past
+// COPY_ROWS * CHUNKS have no chunk). Returns false for those threads.
+constexpr int COPY_ROWS = THREADS / CHUNKS;  // rows the CTA copies per pass
+
 // Keys [key_base, key_base + KV_ROWS) of one head into a stage. Rows up to the next multiple of 16 past Lk are
 // zero-filled (the mma k-steps read them); rows beyond that are never read and are not touched.
 FN_INLINE void load_kv_tile(const Params& p, int b, int head, int key_base, u16* k_stage, u16* v_stage, int tid) {
+  const int r0 = tid / CHUNKS, c = (tid % CHUNKS) * 8;
+  if (r0 >= COPY_ROWS) return;
   const int kv_pad16 = (p.kv_len + 15) & ~15;
   const u16* k_head = p.k + b * p.k_sb + head * p.k_sh;
   const u16* v_head = p.v + b * p.v_sb + head * p.v_sh;
-  constexpr int TOTAL = KV_ROWS * CHUNKS;
+  const u16* kp = k_head + (key_base + r0) * p.k_sl + c;
+  const u16* vp = v_head + (key_base + r0) * p.v_sl + c;
+  const long long k_step = COPY_ROWS * p.k_sl, v_step = COPY_ROWS * p.v_sl;
+  const u32 k_dst = smem_addr(k_stage + r0 * ROW_STRIDE + c), v_dst = smem_addr(v_stage + r0 * ROW_STRIDE + c);
 #pragma unroll
-  for (int it = 0; it < (TOTAL + THREADS - 1) / THREADS; ++it) {
-    const int i = tid + it * THREADS;
-    const int r = i / CHUNKS, c = (i % CHUNKS) * 8;
-    const int key = key_base + r;
-    if ((TOTAL % THREADS == 0 || i < TOTAL) && key < kv_pad16) {
-      const bool in_range = key < p.kv_len;
-      const long long src_key = in_range ? key : 0;
-      cp_async16(smem_addr(k_stage + r * ROW_STRIDE + c), k_head + src_key * p.k_sl + c, in_range ? 16 : 0);
-      cp_async16(smem_addr(v_stage + r * ROW_STRIDE + c), v_head + src_key * p.v_sl + c, in_range ? 16 : 0);
+  for (int i = 0; i < (KV_ROWS + COPY_ROWS - 1) / COPY_ROWS; ++i) {
+    const int r = r0 + i * COPY_ROWS, key = key_base + r;
+    if ((KV_ROWS % COPY_ROWS == 0 || r < KV_ROWS) && key < kv_pad16) {
+      const bool in_range = key < p.kv_len;  // else: zero-fill, reading nothing (the head's base stands in)
+      cp_async16(k_dst + i * COPY_ROWS * ROW_STRIDE * 2, in_range ? kp : k_head, in_range ? 16 : 0);
+      cp_async16(v_dst + i * COPY_ROWS * ROW_STRIDE * 2, in_range ? vp : v_head, in_range ? 16 : 0);
     }
+    kp += k_step;
+    vp += v_step;
   }
 }
 
 // The head's x slice for the CTA's BLOCK_M rows (rows past Lq are left alone: nothing reads them).
 FN_INLINE void load_x_tile(const Params& p, int b, int row_base, int col0, u16* x_tile, int tid) {
-  constexpr int TOTAL = BLOCK_M * CHUNKS;
-  const u16* x_rows = p.x + ((long long)b * p.q_len + row_base) * p.model_dim + col0;
+  const int r0 = tid / CHUNKS, c = (tid % CHUNKS) * 8;
+  if (r0 >= COPY_ROWS) return;
+  const u16* xp = p.x + ((long long)b * p.q_len + row_base + r0) * p.model_dim + col0 + c;
+  const long long step = (long long)COPY_ROWS * p.model_dim;
+  const u32 dst = smem_addr(x_tile + r0 * ROW_STRIDE + c);
 #pragma unroll
-  for (int it = 0; it < (TOTAL + THREADS - 1) / THREADS; ++it) {
-    const int i = tid + it * THREADS;
-    const int r = i / CHUNKS, c = (i % CHUNKS) * 8;
-    if ((TOTAL % THREADS == 0 || i < TOTAL) && row_base + r < p.q_len)
-      cp_async16(smem_addr(x_tile + r * ROW_STRIDE + c), x_rows + (long long)r * p.model_dim + c, 16);
+  for (int i = 0; i < (BLOCK_M + COPY_ROWS - 1) / COPY_ROWS; ++i) {
+    const int r = r0 + i * COPY_ROWS;
+    if ((BLOCK_M % COPY_ROWS == 0 || r < BLOCK_M) && row_base + r < p.q_len)
+      cp_async16(dst + i * COPY_ROWS * ROW_STRIDE * 2, xp, 16);
+    xp += step;
   }
 }
 
@@ -313,6 +368,7 @@ FN_INLINE void attend_tile(const Params& p, const u32 (&qf)[Q_IN_SMEM ? 1 : M_TI
     for (int nt = 0; nt < S_NTILES; ++nt)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
+        if (!FULL && nt / 2 * 16 >= valid) continue;  // a key pair never computed: skipped here and by P V
         float z = s[mt][nt][e] * p.scale_log2;
         const int key = key0 + nt * 8 + t2 + (e & 1);
         if constexpr (MASK_KIND != 0) {
@@ -331,7 +387,8 @@ FN_INLINE void attend_tile(const Params& p, const u32 (&qf)[Q_IN_SMEM ? 1 : M_TI
     for (int half = 0; half < 2; ++half) {
       float mx = neg_inf();
 #pragma unroll
-      for (int nt = 0; nt < S_NTILES; ++nt) mx = fmaxf(mx, fmaxf(s[mt][nt][2 * half], s[mt][nt][2 * half + 1]));
+      for (int nt = 0; nt < S_NTILES; ++nt)
+        if (FULL || nt / 2 * 16 < valid) mx = fmaxf(mx, fmaxf(s[mt][nt][2 * half], s[mt][nt][2 * half + 1]));
       mx = fmaxf(mx, __shfl_xor_sync(FULL_WARP, mx, 1));
       mx = fmaxf(mx, __shfl_xor_sync(FULL_WARP, mx, 2));
       const float m_new = fmaxf(m[mt][half], mx);
@@ -343,6 +400,7 @@ FN_INLINE void attend_tile(const Params& p, const u32 (&qf)[Q_IN_SMEM ? 1 : M_TI
       for (int nt = 0; nt < S_NTILES; ++nt)
 #pragma unroll
         for (int e = 2 * half; e < 2 * half + 2; ++e) {
+          if (!FULL && nt / 2 * 16 >= valid) continue;
           s[mt][nt][e] = fast_exp2(s[mt][nt][e] - m_use);
           sum += s[mt][nt][e];
         }
@@ -387,7 +445,12 @@ FN_INLINE void attend_tile(const Params& p, const u32 (&qf)[Q_IN_SMEM ? 1 : M_TI
   }
 }
 
-// ---- 4. epilogue: y = x + o for one head's columns ----
+// ---- 4. epilogue: y = x + o (or o alone, WRITE_O) for one head's columns ----
+
+// The chunk [1, 0, ..., 0] after the last head's columns: bo rides through the out GEMM as one more K column.
+FN_INLINE void store_ones_chunk(const Params& p, u16* y_batch, int q) {
+  st_global16_stream(y_batch + (long long)q * p.y_ld + p.heads * HEAD_DIM, u32x4{pack2_elem(1.f, 0.f), 0u, 0u, 0u});
+}
 
 // One warp, its own rows. x comes from the head's x slice in shared memory, and y overwrites it there (each element
 // is read and written by the same thread) so that the global stores are 16 bytes wide.
@@ -408,7 +471,7 @@ FN_INLINE void store_output_rows(const Params& p, u16* y_batch, int row0, int co
 #pragma unroll
         for (int nt = 0; nt < O_NTILES; ++nt) {
           u32* xy = reinterpret_cast<u32*>(x_tile + r * ROW_STRIDE + nt * 8 + t2);
-          const u32 xp = *xy;
+          const u32 xp = WRITE_O ? 0u : *xy;  // +0.0 pair: o alone
           const u32 yp = pack2_elem(lo_to_f32(xp) + o[mt][nt][2 * half] * inv,
                                     hi_to_f32(xp) + o[mt][nt][2 * half + 1] * inv);
           if constexpr (CHECK_NUMERICS) bad |= pair_not_finite(yp);
@@ -423,10 +486,12 @@ FN_INLINE void store_output_rows(const Params& p, u16* y_batch, int row0, int co
     const int i = lane + it * 32;
     const int r = i / CHUNKS, c = (i % CHUNKS) * 8;
     if ((TOTAL % 32 == 0 || i < TOTAL) && row0 + r < p.q_len) {
-      st_global16_stream(y_batch + (long long)(row0 + r) * p.model_dim + col0 + c,
+      st_global16_stream(y_batch + (long long)(row0 + r) * p.y_ld + col0 + c,
                          *reinterpret_cast<const u32x4*>(x_tile + r * ROW_STRIDE + c));
     }
   }
+  if (WRITE_O && p.ones_col && col0 == 0)
+    for (int r = lane; r < ROWS_PER_WARP && row0 + r < p.q_len; r += 32) store_ones_chunk(p, y_batch, row0 + r);
   __syncwarp();
 }
 
@@ -478,15 +543,16 @@ FN_INLINE void combine_and_store(const Params& p, const u16* x_tile, u16* y_batc
       for (int e = 0; e < 8; ++e) f[e] = fmaf(wt, acc_row[e], f[e]);
     }
     const float inv = total > 0.f ? 1.f / total : 0.f;
-    const long long off = (long long)q * p.model_dim + col0 + c;
+    const long long off = (long long)q * p.y_ld + col0 + c;
     float xf[8];
-    unpack8(*reinterpret_cast<const u32x4*>(x_tile + r * ROW_STRIDE + c), xf);
+    unpack8(WRITE_O ? u32x4{0u, 0u, 0u, 0u} : *reinterpret_cast<const u32x4*>(x_tile + r * ROW_STRIDE + c), xf);
 #pragma unroll
     for (int e = 0; e < 8; ++e) f[e] = xf[e] + f[e] * inv;
     const u32x4 out = pack8(f);
     if constexpr (CHECK_NUMERICS) bad |= chunk_not_finite(out);
     st_global16_stream(y_batch + off, out);
   }
+  if (WRITE_O && p.ones_col && col0 == 0 && tid < 16 && row0 + tid < p.q_len) store_ones_chunk(p, y_batch, row0 + tid);
 }
 
 // ---- the kernel ----
@@ -516,12 +582,12 @@ FN_INLINE void cursor_advance(const Params& p, StepCursor& c, int key_tiles) {
   cursor_enter_item(p, c);
 }
 
-// Issue the copies of one step into a pipeline stage (and, on a head's first step, its x slice).
+// Issue the copies of one step into a pipeline stage (and, on a head's first step, its x slice if needed).
 FN_INLINE void load_step(const Params& p, const StepCursor& c, int stage, u16* k_stages, u16* v_stages,
                          u16* x_slots, int tid) {
   load_kv_tile(p, c.b, c.head, c.tile * KV_ROWS, k_stages + stage * KV_TILE_ELEMS, v_stages + stage * KV_TILE_ELEMS,
                tid);
-  if (c.tile == 0)
+  if (NEEDS_X_SLICE && c.tile == 0)
     load_x_tile(p, c.b, c.row_block * BLOCK_M, c.head * HEAD_DIM, x_slots + (c.head_seq % STAGES) * X_TILE_ELEMS,
                 tid);
 }
@@ -537,9 +603,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS_PER_SM) KERNEL_NA
   float* row_rstd = row_mean + ROWS_PER_WARP;
   float* combine = reinterpret_cast<float*>(smem + OFF_COMBINE);
 
-  if constexpr (HEAD_DIM_PAD > HEAD_DIM) {  // pad columns of every K/V/Q row are read by the last k-step: zero them
+  if constexpr (HEAD_DIM_PAD > HEAD_DIM) {  // pad columns of every K/V row are read by the last k-step: zero them
     constexpr int PAD = HEAD_DIM_PAD - HEAD_DIM;
-    constexpr int ROWS = 2 * STAGES * KV_ROWS + WARPS * ROWS_PER_WARP;  // K, V and Q rows are contiguous
+    constexpr int ROWS = 2 * STAGES * KV_ROWS;  // K and V stages are contiguous
     u16* rows = reinterpret_cast<u16*>(smem + OFF_K);
     for (int i = tid; i < ROWS * PAD; i += THREADS) rows[(i / PAD) * ROW_STRIDE + HEAD_DIM + i % PAD] = 0;
   }
@@ -570,7 +636,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS_PER_SM) KERNEL_NA
   for (int stage = 0; cur.item < p.items; stage = stage + 1 == STAGES ? 0 : stage + 1) {
     const int row0 = cur.row_block * BLOCK_M + (KEY_SPLIT > 1 ? 0 : warp * ROWS_PER_WARP);
     const bool warp_rows = row0 < p.q_len;  // false for warps entirely past the last query row
-    u16* y_batch = p.y + (long long)cur.b * p.q_len * p.model_dim;
+    u16* y_batch = p.y + (long long)cur.b * p.q_len * p.y_ld;
     if (cur.tile == 0) {  // a new head (the accumulators of the last one are dead here, which saves registers)
       if (cur.head == cur.head_begin && warp_rows)  // a new item: statistics of this warp's rows
         row_statistics(p, p.x + (long long)cur.b * p.q_len * p.model_dim, row0, row_mean, row_rstd, lane);
@@ -596,17 +662,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS_PER_SM) KERNEL_NA
     u16* x_tile = x_slots + (cur.head_seq % STAGES) * X_TILE_ELEMS;
     u16* x_warp = x_tile + (KEY_SPLIT > 1 ? 0 : warp * ROWS_PER_WARP * ROW_STRIDE);
     const int col0 = cur.head * HEAD_DIM;
-    if (cur.tile == 0) {
-      if (warp_rows) build_q_tile(p, row0, col0, row_mean, row_rstd, x_warp, q_tile, lane);
-      if constexpr (!Q_IN_SMEM) {  // unconditional, so the last head's fragments are dead before this point
-#pragma unroll
-        for (int mt = 0; mt < M_TILES; ++mt)
-#pragma unroll
-          for (int kk = 0; kk < QK_KSTEPS; ++kk)
-            ldmatrix_x4(qf[mt][kk],
-                        smem_addr(q_tile + (mt * 16 + (lane & 15)) * ROW_STRIDE + kk * 16 + (lane >> 4) * 8));
-      }
-    }
+    if (cur.tile == 0 && warp_rows)
+      q_fragments(p, row0, col0, row_mean, row_rstd, x_warp, p.qraw + ((long long)cur.b * p.q_len + row0) * p.q_ld,
+                  q_tile, qf, lane);
 
     const int warp_key_offset = KEY_SPLIT > 1 ? warp * BLOCK_N : 0;
     const int key0 = cur.tile * KV_ROWS + warp_key_offset;
