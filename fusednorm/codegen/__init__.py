@@ -1,4 +1,7 @@
-"""Generated CUDA kernels for the projection-free fused op: spec -> render -> NVRTC -> disk cache -> launch.
+"""Generated CUDA kernels for the fused op: spec -> render -> NVRTC -> disk cache -> launch.
+
+The projection-free op is one launch of ``run_kernel``; the projection plan (fusednorm/plans) runs the same
+kernel in its stage mode, described by a ``StageIO``.
 
 ``why_no_kernel`` says (from shapes, dtypes, strides and device alone, so FakeTensors work) whether a kernel
 covers a call; ``run_kernel`` runs it. Float32/float64 inputs, head dims outside ``spec.HEAD_DIMS`` and GPUs older
@@ -6,9 +9,9 @@ than sm_80 get a reason, and the dispatcher runs the reference implementation in
 """
 from __future__ import annotations
 
-import math
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import torch
 
@@ -17,7 +20,7 @@ from . import select as _select
 from .cache import get_kernel
 from .spec import HEAD_DIMS, TILE_ROLES, KernelSpec, tile_for
 
-__all__ = ["why_no_kernel", "run_kernel"]
+__all__ = ["why_no_kernel", "run_kernel", "StageIO", "call_key", "call_plans", "launch_call"]
 
 _KERNEL_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 _INT32_MAX = 2**31 - 1
@@ -73,8 +76,10 @@ _family_lock = threading.Lock()
 
 
 def _family(dtype: str, d: int, norm: str, has_gamma: bool, has_beta: bool, affine_f32: bool, mask_kind: str,
-            mask_f32: bool, arch: int, check: bool, device_index: int):
-    fkey = (dtype, d, norm, has_gamma, has_beta, affine_f32, mask_kind, mask_f32, arch, check, device_index)
+            mask_f32: bool, arch: int, check: bool, device_index: int, q_from_qraw: bool = False,
+            write_o: bool = False):
+    fkey = (dtype, d, norm, has_gamma, has_beta, affine_f32, mask_kind, mask_f32, arch, check, device_index,
+            q_from_qraw, write_o)
     fam = _families.get(fkey)
     if fam is not None:
         return fam
@@ -82,7 +87,7 @@ def _family(dtype: str, d: int, norm: str, has_gamma: bool, has_beta: bool, affi
         fam = _families.get(fkey)
         if fam is None:
             specs = {role: KernelSpec(dtype, d, norm, has_gamma, has_beta, affine_f32, mask_kind, mask_f32,
-                                      tile_for(role, d), arch, check) for role in TILE_ROLES}
+                                      tile_for(role, d), arch, check, q_from_qraw, write_o) for role in TILE_ROLES}
             with ThreadPoolExecutor(len(specs)) as pool:
                 compiled = dict(zip(specs, pool.map(get_kernel, specs.values())))
             fam = {role: _launch.load(compiled[role], device_index) for role in specs}
@@ -106,7 +111,7 @@ def _fast_operand(t: torch.Tensor, what: str) -> torch.Tensor:
 
     warn_once(f"fusednorm: {what} is not laid out for 16-byte loads (strides {tuple(t.stride())}); "
               "copying it to a contiguous tensor on every call")
-    return t.contiguous()
+    return t.clone(memory_format=torch.contiguous_format)  # not .contiguous(): a no-op on a misaligned contiguous t
 
 
 def _param_vector(t: torch.Tensor | None, x_dtype: torch.dtype):
@@ -137,12 +142,28 @@ def _prepare_mask(mask: torch.Tensor, x_dtype, B: int, H: int, Lq: int, Lk: int)
     return mask, kind, is_f32, strides
 
 
-def run_kernel(x, k, v, gamma, beta, mask, norm, eps, scale, sm_count, check_numerics):
-    """y = x + MHA(norm(x) split into heads, k, v) with the generated kernel (inputs already validated)."""
+@dataclass
+class StageIO:
+    """The projection plan's attention stage (plans/__init__.py). All defaults: the projection-free op."""
+    qraw: torch.Tensor | None = None  # [B * Lq, H * d] float32, x @ Wq'^T: queries come from it, not from norm(x)
+    q_u: torch.Tensor | None = None   # [H * d] float32, Wq' @ 1 (LayerNorm)
+    q_b: torch.Tensor | None = None   # [H * d] float32, Wq @ beta + bq
+    o_cols: int = 0                   # > 0: return o as [B, Lq, o_cols] (no residual); past H * d, a ones column
+
+
+def run_kernel(x, k, v, gamma, beta, mask, norm, eps, scale, sm_count, check_numerics, call_key=None, stage=None):
+    """y = x + MHA(norm(x) split into heads, k, v) with the generated kernel (inputs already validated), or with
+    ``stage`` the plan's attention stage.
+
+    With ``call_key`` (see ``call_key``), a call whose tensors the kernel reads as given, with no copy or
+    conversion, leaves its launch in ``call_plans`` so that the next call with that key can go straight to it.
+    """
     device_index = x.device.index if x.device.index is not None else torch.cuda.current_device()
     if device_index != torch.cuda.current_device():
-        with torch.cuda.device(device_index):
-            return run_kernel(x, k, v, gamma, beta, mask, norm, eps, scale, sm_count, check_numerics)
+        with torch.cuda.device(device_index):  # not cached: a cached launch has no device switch
+            return run_kernel(x, k, v, gamma, beta, mask, norm, eps, scale, sm_count, check_numerics, stage=stage)
+    given = (x, k, v, gamma, beta)
+    mask_ptr = mask.data_ptr() if mask is not None else 0
     B, Lq, D = x.shape
     _, H, Lk, d = k.shape
     if not x.is_contiguous() or x.data_ptr() % 16 != 0:
@@ -161,8 +182,10 @@ def run_kernel(x, k, v, gamma, beta, mask, norm, eps, scale, sm_count, check_num
         mask_kind, mask_f32, m_strides = "none", False, (0, 0, 0)
 
     major, minor = _device_capability(device_index)
+    stage = stage or StageIO()
     fam = _family(_KERNEL_DTYPES[x.dtype], d, norm, gamma is not None, beta is not None, affine_f32, mask_kind,
-                  mask_f32, major * 10 + minor, bool(check_numerics), device_index)
+                  mask_f32, major * 10 + minor, bool(check_numerics), device_index, stage.qraw is not None,
+                  stage.o_cols > 0)
 
     device_sms = _sm_counts.get(device_index)
     if device_sms is None:
@@ -178,28 +201,97 @@ def run_kernel(x, k, v, gamma, beta, mask, norm, eps, scale, sm_count, check_num
             _plans.clear()
         plan = _plans[pkey] = _select.plan_launch(role, kernel.spec.tile, B, Lq, Lk, H, d, sms, kernel.ctas_per_sm)
 
-    y = torch.empty_like(x, memory_format=torch.contiguous_format)
+    ks, vs = k.stride(), v.stride()
+    scale_log2 = (d ** -0.5 if scale is None else float(scale)) * 1.4426950408889634
+    out_cols = stage.o_cols or D
+    call = CallPlan(kernel, plan.grid, bool(check_numerics), (
+        ks[0], ks[1], ks[2], vs[0], vs[1], vs[2], m_strides[0], m_strides[1], m_strides[2],
+        stage.qraw.stride(0) if stage.qraw is not None else 0, out_cols,
+        B, Lq, Lk, H, D, plan.heads_per_item, plan.head_groups, plan.row_blocks, plan.items,
+        int(stage.o_cols > H * d), float(eps), scale_log2), out_cols)
+    y = launch_call(call, x, k, v, gamma, beta, mask, stage)
+    if stage.o_cols:
+        return y  # the plan's stage is never cached: its call_key would not cover qraw, u and b
+    # A hit hands the caller's tensors to the kernel unprepared, so only a call that needed no copy or conversion
+    # is cached (a mask view keeps its pointer; a copy cannot share it while the caller's mask is alive).
+    if (call_key is not None and all(a is b for a, b in zip((x, k, v, gamma, beta), given))
+            and (mask is None or mask.data_ptr() == mask_ptr)):
+        if len(call_plans) >= _CALL_PLANS_MAX:
+            call_plans.clear()
+        call_plans[call_key] = call
+    return y
+
+
+# ---- the per-call signature cache: eager calls shaped like an earlier one skip the checks and the planning ----
+
+@dataclass(frozen=True)
+class CallPlan:
+    """One launch minus its pointers: what every call with the same ``call_key`` launches."""
+    kernel: "_launch.LoadedKernel"
+    grid: int
+    check_numerics: bool
+    tail: tuple  # Params after its pointers: strides, sizes, work split, eps, scale
+    out_cols: int  # columns of the output rows: D, or the stage's o_cols
+
+
+call_plans: dict[tuple, CallPlan] = {}
+_CALL_PLANS_MAX = 4096  # a model meets a handful of signatures; the bound only stops unbounded growth
+
+
+def call_key(x, k, v, gamma, beta, mask, norm, eps, scale, sm_count, check_numerics) -> tuple:
+    """Everything ``check_inputs``, ``why_no_kernel`` and ``run_kernel`` read from a call, pointers aside.
+
+    Two calls with equal keys pass or fail the same checks, get the same kernel and grid, and need the same
+    copies; a setting that changes any of these (``select.force_role``) belongs in the key too. Alignment is
+    the one fact about a pointer that matters, so it is kept as a bool.
+    """
+    return (
+        x.shape, x.stride(), x.dtype, x.device, x.data_ptr() % 16 == 0,
+        k.shape, k.stride(), k.dtype, k.device, k.data_ptr() % 16 == 0,
+        v.shape, v.stride(), v.dtype, v.device, v.data_ptr() % 16 == 0,
+        None if gamma is None else (gamma.shape, gamma.stride(), gamma.dtype, gamma.device,
+                                    gamma.data_ptr() % 16 == 0),
+        None if beta is None else (beta.shape, beta.stride(), beta.dtype, beta.device, beta.data_ptr() % 16 == 0),
+        None if mask is None else (mask.shape, mask.stride(), mask.dtype, mask.device, mask.data_ptr() % 16 == 0),
+        norm, eps, scale, sm_count, check_numerics, torch.cuda.current_device(), _select.force_role,
+    )
+
+
+# torch's current stream as a raw cudaStream_t; the private getter skips building a torch.cuda.Stream per call
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (
+    lambda device_index: torch.cuda.current_stream(device_index).cuda_stream)
+
+
+def launch_call(call: CallPlan, x, k, v, gamma, beta, mask, stage: StageIO | None = None) -> torch.Tensor:
+    """Allocate y (or the stage's o) and launch ``call`` on these tensors, laid out as the kernel reads them."""
+    B, Lq, D = x.shape
+    if call.out_cols == D:
+        y = torch.empty_like(x, memory_format=torch.contiguous_format)
+    else:
+        y = torch.empty((B, Lq, call.out_cols), dtype=x.dtype, device=x.device)
     if poison_outputs:
         y.fill_(float("nan"))
+    device_index = call.kernel.device_index
     flag = None
-    if check_numerics:
+    if call.check_numerics:
         flag = _flags.get(device_index)
         if flag is None:
             flag = _flags[device_index] = torch.zeros(1, dtype=torch.int32, device=x.device)
-    ks, vs = k.stride(), v.stride()
-    scale_log2 = (d ** -0.5 if scale is None else float(scale)) * 1.4426950408889634
-    params = _launch.PARAMS.pack(
-        x.data_ptr(), y.data_ptr(), k.data_ptr(), v.data_ptr(),
-        gamma.data_ptr() if gamma is not None else 0, beta.data_ptr() if beta is not None else 0,
-        mask.data_ptr() if mask is not None else 0, flag.data_ptr() if flag is not None else 0,
-        ks[0], ks[1], ks[2], vs[0], vs[1], vs[2], m_strides[0], m_strides[1], m_strides[2],
-        B, Lq, Lk, H, D, plan.heads_per_item, plan.head_groups, plan.row_blocks, plan.items,
-        float(eps), scale_log2)
-    _launch.launch(kernel, plan.grid, params, torch.cuda.current_stream(device_index).cuda_stream)
-
-    if check_numerics:
-        _raise_if_flagged(flag, kernel.spec.key)
+    pointers = (x.data_ptr(), y.data_ptr(), k.data_ptr(), v.data_ptr(),
+                gamma.data_ptr() if gamma is not None else 0, beta.data_ptr() if beta is not None else 0,
+                mask.data_ptr() if mask is not None else 0, flag.data_ptr() if flag is not None else 0,
+                *_stage_pointers(stage))
+    _launch.launch(call.kernel, call.grid, _raw_stream(device_index), pointers, call.tail)
+    if flag is not None:
+        _raise_if_flagged(flag, call.kernel.spec.key)
     return y
+
+
+def _stage_pointers(stage: StageIO | None) -> tuple:
+    if stage is None or stage.qraw is None:
+        return 0, 0, 0
+    return (stage.qraw.data_ptr(), stage.q_u.data_ptr() if stage.q_u is not None else 0,
+            stage.q_b.data_ptr())
 
 
 def _raise_if_flagged(flag: torch.Tensor, key: str) -> None:

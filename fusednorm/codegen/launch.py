@@ -1,5 +1,6 @@
 """Load cubins into torch's CUDA context (once per kernel key and device) and launch them with the driver API on
-torch's current stream. The per-call path is kept thin: one struct pack, one cuLaunchKernel."""
+torch's current stream. The per-call path is kept thin: one struct pack into a per-thread buffer, one
+cuLaunchKernel."""
 from __future__ import annotations
 
 import ctypes
@@ -12,10 +13,11 @@ import torch
 from .cache import CompiledKernel
 from .spec import KernelSpec
 
-# The kernel's single argument, ``struct Params`` in templates/pnca.cu: 8 pointers, 9 int64 strides, 9 int32
-# sizes, 2 floats, padded to 8 bytes. The template static_asserts the same size.
-PARAMS = struct.Struct("<8Q9q9i2f4x")
-assert PARAMS.size == 184
+# The kernel's single argument, ``struct Params`` in templates/pnca.cu: 11 pointers, 11 int64 strides, 10 int32
+# sizes, 2 floats. The template static_asserts the same size.
+PARAMS = struct.Struct("<11Q11q10i2f")
+POINTERS = 11
+assert PARAMS.size == 224
 
 launch_count = 0  # kernels launched by this process; tests read it to prove the generated kernel ran
 
@@ -28,6 +30,7 @@ class KernelLaunchError(RuntimeError):
 class LoadedKernel:
     spec: KernelSpec
     function: object      # CUfunction
+    handle: int           # the same CUfunction as a raw pointer, for the ctypes launch
     module: object        # CUmodule (kept so the function stays valid)
     smem_bytes: int
     threads: int
@@ -75,27 +78,75 @@ def load(compiled: CompiledKernel, device_index: int) -> LoadedKernel:
         if ctas < 1:
             raise KernelLaunchError(f"fusednorm: {compiled.spec.key} does not fit on one SM ({smem} bytes of "
                                     f"shared memory, {compiled.usage.registers} registers x {threads} threads)")
-        loaded = LoadedKernel(compiled.spec, function, module, smem, threads, int(ctas), compiled.usage.registers,
-                              device_index)
+        loaded = LoadedKernel(compiled.spec, function, int(function), module, smem, threads, int(ctas),
+                              compiled.usage.registers, device_index)
         _loaded[key] = loaded
         return loaded
 
 
-def launch(kernel: LoadedKernel, grid: int, params: bytes, stream: int) -> None:
-    """Enqueue one launch on ``stream`` (a raw cudaStream_t, e.g. torch.cuda.current_stream().cuda_stream)."""
-    global launch_count
-    from cuda.bindings import driver as cu
+class _LaunchArgs(threading.local):
+    """The Params buffer and the one-entry argv pointing at it, made once per thread instead of once per launch.
 
-    buf = ctypes.create_string_buffer(params, PARAMS.size)
-    argv = (ctypes.c_void_p * 1)(ctypes.addressof(buf))
-    (err,) = cu.cuLaunchKernel(kernel.function, grid, 1, 1, kernel.threads, 1, 1, kernel.smem_bytes, stream,
-                               ctypes.addressof(argv), 0)
-    if err == cu.CUresult.CUDA_ERROR_INVALID_CONTEXT:
-        # a thread where torch never made its context current: bind the device's primary context, then retry
-        _make_primary_context_current(kernel.device_index)
-        (err,) = cu.cuLaunchKernel(kernel.function, grid, 1, 1, kernel.threads, 1, 1, kernel.smem_bytes, stream,
-                                   ctypes.addressof(argv), 0)
+    cuLaunchKernel copies the parameters before it returns, so the next launch may overwrite them. It runs
+    without the GIL, so a buffer shared between threads could be rewritten by another thread mid-launch: hence
+    one per thread (the same size serves every kernel).
+    """
+
+    def __init__(self):
+        self.params = ctypes.create_string_buffer(PARAMS.size)
+        self.argv = (ctypes.c_void_p * 1)(ctypes.addressof(self.params))
+        self.argv_address = ctypes.addressof(self.argv)
+
+
+_args = _LaunchArgs()
+_cu = None  # cuda.bindings.driver, bound on the first launch (an import statement per call costs ~1 µs)
+_UNSET = object()
+_raw_launch = _UNSET  # libcuda's cuLaunchKernel through ctypes, or None where libcuda cannot be opened
+
+
+def _libcuda_launch():
+    """cuLaunchKernel called through ctypes: a few µs less per launch than the cuda-python binding, which wraps
+    every argument in its own types. The cuda-python binding stays the fallback and reports errors by name."""
+    global _raw_launch
+    try:
+        fn = ctypes.CDLL("libcuda.so.1").cuLaunchKernel
+    except (OSError, AttributeError):
+        fn = None
+    else:
+        u = ctypes.c_uint
+        fn.argtypes = [ctypes.c_void_p, u, u, u, u, u, u, u, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+        fn.restype = ctypes.c_int
+    _raw_launch = fn
+    return fn
+
+
+def _driver():
+    global _cu
+    from cuda.bindings import driver
+
+    _cu = driver
+    return driver
+
+
+def launch(kernel: LoadedKernel, grid: int, stream: int, pointers: tuple, tail: tuple) -> None:
+    """Enqueue one launch on ``stream`` (a raw cudaStream_t) with Params = ``pointers`` (11) then ``tail``."""
+    global launch_count
+    args = _args
+    PARAMS.pack_into(args.params, 0, *pointers, *tail)
+    argv = args.argv_address
+    raw = _raw_launch if _raw_launch is not _UNSET else _libcuda_launch()
+    if raw is not None and raw(kernel.handle, grid, 1, 1, kernel.threads, 1, 1, kernel.smem_bytes, stream, argv,
+                               None) == 0:
+        launch_count += 1
+        return
+    cu = _cu if _cu is not None else _driver()  # no libcuda by name, or an error: the binding retries and names it
+    (err,) = cu.cuLaunchKernel(kernel.function, grid, 1, 1, kernel.threads, 1, 1, kernel.smem_bytes, stream, argv, 0)
     if err != cu.CUresult.CUDA_SUCCESS:
+        if err == cu.CUresult.CUDA_ERROR_INVALID_CONTEXT:
+            # a thread where torch never made its context current: bind the device's primary context, then retry
+            _make_primary_context_current(kernel.device_index)
+            (err,) = cu.cuLaunchKernel(kernel.function, grid, 1, 1, kernel.threads, 1, 1, kernel.smem_bytes,
+                                       stream, argv, 0)
         _check(err, f"cuLaunchKernel({kernel.spec.key}, grid={grid})")
     launch_count += 1
 

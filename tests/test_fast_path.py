@@ -1,0 +1,399 @@
+"""The eager call's signature cache, on CPU: the CUDA pieces (device, capability, kernels, launch) are faked.
+
+A call whose signature already ran the generated kernel must skip the checks and the planning and launch with
+its own pointers; any other call (new signature, bad input, fallback, input needing a copy) takes the full path.
+"""
+from __future__ import annotations
+
+import ctypes
+import threading
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import fusednorm
+from fusednorm import codegen, op
+from fusednorm.codegen import launch, select
+from fusednorm.codegen.spec import tile_for
+from fusednorm.reference import reference_pre_norm_cross_attn
+
+pytestmark = pytest.mark.filterwarnings("ignore::fusednorm.FusedNormWarning")
+
+BF16 = torch.bfloat16
+
+
+class FakeGPU:
+    """Counts what the full path does and records each launch instead of running it."""
+
+    def __init__(self):
+        self.checks = 0
+        self.why_calls = 0
+        self.family_calls = 0
+        self.launches: list[SimpleNamespace] = []
+        self.set_flag = False  # the next launch reports a non-finite output
+        self.families: dict[tuple, dict] = {}
+
+    def family(self, dtype, d, norm, has_gamma, has_beta, affine_f32, mask_kind, mask_f32, arch, check,
+               device_index, q_from_qraw=False, write_o=False):
+        self.family_calls += 1
+        fkey = (dtype, d, norm, has_gamma, has_beta, affine_f32, mask_kind, mask_f32, arch, check, device_index,
+                q_from_qraw, write_o)
+        if fkey not in self.families:  # kept alive: run_kernel's plan cache is keyed by id(kernel)
+            self.families[fkey] = {
+                role: SimpleNamespace(spec=SimpleNamespace(tile=tile_for(role, d), key=f"fake_{role}_{fkey}"),
+                                      ctas_per_sm=2, device_index=device_index, threads=128, smem_bytes=0)
+                for role in ("short", "base", "long")}
+        return self.families[fkey]
+
+    def launch(self, kernel, grid, stream, pointers, tail):
+        self.launches.append(SimpleNamespace(kernel=kernel, grid=grid, stream=stream, pointers=pointers, tail=tail))
+        if self.set_flag:
+            codegen._flags[kernel.device_index].fill_(1)
+
+
+def _fake_cuda_like(t):
+    if t is None:
+        return None
+    with FakeTensorMode():
+        return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cuda")
+
+
+@pytest.fixture
+def gpu(monkeypatch):
+    fake = FakeGPU()
+    real_check, real_why = op.check_inputs, codegen.why_no_kernel
+
+    def check_inputs(*args):
+        fake.checks += 1
+        return real_check(*args)
+
+    def why_no_kernel(x, k, v, gamma, beta, mask, norm):
+        # the real reasons, asked about CUDA fakes of the same layout (the real tensors live on the CPU)
+        fake.why_calls += 1
+        return real_why(*map(_fake_cuda_like, (x, k, v, gamma, beta, mask)), norm)
+
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(op, "check_inputs", check_inputs)
+    monkeypatch.setattr(codegen, "why_no_kernel", why_no_kernel)
+    monkeypatch.setattr(codegen, "_family", fake.family)
+    monkeypatch.setattr(codegen, "_raw_stream", lambda device_index: 1000 + device_index)
+    monkeypatch.setattr(codegen._launch, "launch", fake.launch)
+    monkeypatch.setattr(codegen, "call_plans", {})
+    monkeypatch.setattr(codegen, "_plans", {})
+    monkeypatch.setattr(codegen, "_flags", {})
+    monkeypatch.setattr(codegen, "poison_outputs", False)
+    monkeypatch.setattr(select, "force_role", None)
+    for index in (0, 1):
+        monkeypatch.setitem(codegen._capability, index, (9, 0))
+        monkeypatch.setitem(codegen._sm_counts, index, 132)
+    return fake
+
+
+def inputs(dtype=BF16, B=2, Lq=5, Lk=7, H=4, d=64, affine=True):
+    """k/v as models hand them over: [B, Lk, H, d] viewed as [B, H, Lk, d]."""
+    D = H * d
+    x = torch.randn(B, Lq, D).to(dtype)
+    k = torch.randn(B, Lk, H, d).to(dtype).transpose(1, 2)
+    v = torch.randn(B, Lk, H, d).to(dtype).transpose(1, 2)
+    gamma = torch.randn(D).to(dtype) if affine else None
+    beta = torch.randn(D).to(dtype) if affine else None
+    return dict(x=x, k=k, v=v, gamma=gamma, beta=beta)
+
+
+def fused(x, k, v, gamma, beta, eps=1e-5, sm_count=None, **kw):
+    return fusednorm.fused_pre_norm_cross_attn(x, k, v, gamma, beta, eps, sm_count, **kw)
+
+
+def misaligned(t):
+    """Same shape, strides and values at an address one element off a 16-byte boundary."""
+    span = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+    out = torch.empty(span + 8, dtype=t.dtype).as_strided(t.shape, t.stride(), storage_offset=1)
+    out.copy_(t)
+    assert out.data_ptr() % 16 != 0
+    return out
+
+
+def ptrs(t):
+    return t.data_ptr() if t is not None else 0
+
+
+# ---- hits ----
+
+def test_a_repeated_signature_skips_the_checks_and_launches_with_its_own_pointers(gpu):
+    y1 = fused(**inputs())
+    assert (gpu.checks, gpu.why_calls, gpu.family_calls, len(gpu.launches)) == (1, 1, 1, 1)
+    assert len(codegen.call_plans) == 1
+    t = inputs()  # fresh tensors, same layout
+    y2 = fused(**t)
+    assert (gpu.checks, gpu.why_calls, gpu.family_calls, len(gpu.launches)) == (1, 1, 1, 2)
+    first, second = gpu.launches
+    assert second.pointers == (ptrs(t["x"]), y2.data_ptr(), ptrs(t["k"]), ptrs(t["v"]), ptrs(t["gamma"]),
+                               ptrs(t["beta"]), 0, 0, 0, 0, 0)
+    assert second.pointers[1] != first.pointers[1]
+    assert (second.kernel, second.grid, second.tail, second.stream) == (first.kernel, first.grid, first.tail, 1000)
+    assert y2.shape == y1.shape == t["x"].shape and y2.dtype == BF16 and y2.is_contiguous()
+
+
+def test_a_broadcast_bool_mask_is_used_in_place_and_cached(gpu):
+    t = inputs()
+    mask = torch.rand(2, 1, 1, 7) > 0.3
+    fused(**t, mask=mask)
+    mask2 = torch.rand(2, 1, 1, 7) > 0.3
+    fused(**t, mask=mask2)
+    assert gpu.checks == 1 and len(gpu.launches) == 2
+    miss, hit = gpu.launches
+    assert hit.pointers[6] == mask2.data_ptr() and hit.tail == miss.tail
+    assert hit.tail[6:9] == (mask2.stride(0), 0, 0)  # batch stride kept, broadcast head and query dims
+
+
+# ---- misses: every fact in the key is looked at ----
+
+def _variants():
+    base = inputs()
+    return {
+        "longer x": (dict(base, x=torch.randn(2, 6, 256).to(BF16)), {}),
+        "k strides": (dict(base, k=base["k"].contiguous(), v=base["v"].contiguous()), {}),
+        "fp16": (inputs(torch.float16), {}),
+        "fp32 gamma/beta": (dict(base, gamma=base["gamma"].float(), beta=base["beta"].float()), {}),
+        "no affine": (dict(base, gamma=None, beta=None), {}),
+        "eps": (base, dict(eps=1e-6)),
+        "scale": (base, dict(scale=0.5)),
+        "sm_count": (base, dict(sm_count=3)),
+        "rms": (dict(base, beta=None), dict(norm="rms")),
+        "mask": (base, dict(mask=torch.ones(2, 4, 5, 7, dtype=torch.bool))),
+        "check_numerics": (base, dict(check_numerics=True)),
+    }, base
+
+
+@pytest.mark.parametrize("name", list(_variants()[0]))
+def test_a_different_signature_misses_then_hits(gpu, name):
+    variants, base = _variants()
+    t, kw = variants[name]
+    fused(**base)
+    y = fused(**t, **kw)
+    assert gpu.checks == 2, f"{name}: the changed call did not take the full path"
+    assert y.shape == t["x"].shape
+    fused(**t, **kw)
+    assert gpu.checks == 2, f"{name}: the changed call was not cached in turn"
+    assert len(codegen.call_plans) == 2 and len(gpu.launches) == 3
+
+
+def test_force_role_and_current_device_are_part_of_the_key(gpu, monkeypatch):
+    t = inputs(Lq=200)
+    fused(**t)
+    monkeypatch.setattr(select, "force_role", "short")
+    fused(**t)
+    assert gpu.checks == 2 and gpu.launches[1].kernel.spec.key.startswith("fake_short")
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    fused(**t)
+    assert gpu.checks == 3 and gpu.launches[2].kernel.device_index == 1 and gpu.launches[2].stream == 1001
+
+
+def test_the_mask_dtype_is_part_of_the_key(gpu):
+    t = inputs()
+    keep = torch.rand(2, 4, 5, 7) > 0.3
+    fused(**t, mask=keep)
+    additive = torch.zeros(2, 4, 5, 7).to(BF16).masked_fill(~keep, float("-inf"))
+    fused(**t, mask=additive)
+    assert gpu.checks == 2 and gpu.launches[1].kernel is not gpu.launches[0].kernel
+    fused(**t, mask=additive.double())  # same layout again, but a conversion: the full path every time
+    fused(**t, mask=additive.double())
+    assert gpu.checks == 4 and gpu.launches[3].pointers[6] != additive.data_ptr()
+
+
+def test_the_cache_stays_bounded(gpu, monkeypatch):
+    monkeypatch.setattr(codegen, "_CALL_PLANS_MAX", 3)
+    for Lq in range(1, 8):
+        fused(**inputs(Lq=Lq))
+        assert len(codegen.call_plans) <= 3
+    assert gpu.checks == 7 and len(gpu.launches) == 7
+
+
+# ---- never cached ----
+
+def _bad_calls():
+    t = inputs()
+    return {
+        "gamma shape": (dict(t, gamma=torch.randn(255).to(BF16)), {}, "gamma must have shape"),
+        "k dtype": (dict(t, k=t["k"].half()), {}, "k has dtype"),
+        "v dtype": (dict(t, v=t["v"].half()), {}, "v has dtype"),
+        "x dtype": (dict(t, x=t["x"].half()), {}, "k has dtype"),
+        "gamma device": (dict(t, gamma=t["gamma"].to("meta")), {}, "gamma is on meta"),
+        "eps": (t, dict(eps=0.0), "eps must be > 0"),
+        "sm_count": (t, dict(sm_count=0), "sm_count must be >= 1"),
+        "mask shape": (t, dict(mask=torch.ones(2, 4, 5, 6, dtype=torch.bool)), "does not broadcast"),
+        "norm": (t, dict(norm="batch"), "norm must be one of"),
+        "rms with beta": (t, dict(norm="rms"), "an RMS norm has no beta"),
+        "scale": (t, dict(scale=float("nan")), "scale must be finite"),
+    }
+
+
+@pytest.mark.parametrize("name", list(_bad_calls()))
+def test_invalid_input_raises_on_every_call(gpu, name):
+    t, kw, message = _bad_calls()[name]
+    fused(**inputs())  # a valid signature is cached first
+    for i in range(3):
+        with pytest.raises(fusednorm.FusedNormInputError, match=message):
+            fused(**t, **kw)
+        assert gpu.checks == 2 + i
+    assert len(gpu.launches) == 1 and len(codegen.call_plans) == 1
+
+
+@pytest.mark.parametrize("dtype,d", [(torch.float32, 64), (BF16, 48)])
+def test_a_fallback_to_the_reference_is_not_cached(gpu, dtype, d):
+    t = inputs(dtype, d=d, H=2)
+    for i in range(3):
+        y = fused(**t)
+        assert gpu.checks == gpu.why_calls == i + 1
+    ref = reference_pre_norm_cross_attn(t["x"], t["k"], t["v"], t["gamma"], t["beta"], None, None, None, None, None,
+                                        "layer", 1e-5, None)
+    assert torch.equal(y, ref)
+    assert not gpu.launches and not codegen.call_plans
+
+
+def _copy_cases():
+    """Each case: inputs, keywords, and the Params pointer slot that must hold a copy."""
+    t = inputs()
+    k_wide = torch.randn(2, 4, 7, 128).to(BF16)[..., ::2]  # last-dim stride 2
+    mixed_beta = t["beta"].float()
+    return t, {
+        "x not contiguous": (dict(t, x=torch.randn(2, 5, 512).to(BF16)[:, :, ::2]), {}, 0),
+        "x misaligned": (dict(t, x=misaligned(t["x"])), {}, 0),
+        "x rows sliced": (dict(t, x=torch.randn(2, 5, 256).to(BF16)[:, :4]), {}, 0),  # the cached x's strides
+        "k strided": (dict(t, k=k_wide), {}, 2),
+        "k misaligned": (dict(t, k=misaligned(t["k"])), {}, 2),
+        "v misaligned": (dict(t, v=misaligned(t["v"])), {}, 3),
+        "beta misaligned": (dict(t, beta=misaligned(t["beta"])), {}, 5),
+        "gamma float64": (dict(t, gamma=t["gamma"].double()), {}, 4),
+        "gamma strided": (dict(t, gamma=torch.randn(512).to(BF16)[::2]), {}, 4),
+        "gamma misaligned": (dict(t, gamma=misaligned(t["gamma"])), {}, 4),
+        "gamma/beta dtypes differ": (dict(t, beta=mixed_beta), {}, 4),
+        "mask float64": (t, dict(mask=torch.randn(2, 1, 5, 7, dtype=torch.float64)), 6),
+        "mask broadcast over keys": (t, dict(mask=torch.randn(2, 1, 5, 1).to(BF16)), 6),
+    }
+
+
+@pytest.mark.parametrize("name", list(_copy_cases()[1]))
+def test_a_call_needing_a_copy_never_takes_the_fast_path(gpu, name):
+    well_laid_out, cases = _copy_cases()
+    t, kw, slot = cases[name]
+    fused(**well_laid_out)  # cached; the misaligned cases share its shapes and strides
+    given = (t["x"], None, t["k"], t["v"], t["gamma"], t["beta"], kw.get("mask"))[slot]
+    for i in range(3):
+        fused(**t, **kw)
+        assert gpu.checks == i + 2, f"{name}: call {i + 1} skipped the checks"
+        assert gpu.launches[-1].pointers[slot] != given.data_ptr(), f"{name}: the kernel got the uncopied tensor"
+    assert len(codegen.call_plans) == 1
+
+
+# ---- unchanged behaviour on the fast path ----
+
+def test_poisoned_outputs_on_a_hit(gpu, monkeypatch):
+    monkeypatch.setattr(codegen, "poison_outputs", True)
+    t = inputs()
+    for _ in range(2):
+        y = fused(**t)
+        assert torch.isnan(y).all(), "the (fake) kernel writes nothing, so y must still hold the poison"
+    assert gpu.checks == 1
+
+
+def test_check_numerics_on_a_hit(gpu):
+    t = inputs()
+    fused(**t, check_numerics=True)
+    gpu.set_flag = True
+    with pytest.raises(fusednorm.FusedNormNumericsError, match="generated kernel fake_"):
+        fused(**t, check_numerics=True)
+    assert gpu.checks == 1 and gpu.launches[-1].pointers[7] == codegen._flags[0].data_ptr() != 0
+    gpu.set_flag = False
+    fused(**t, check_numerics=True)  # the flag was reset: quiet again
+    fused(**t)  # off: no flag pointer
+    assert gpu.launches[-1].pointers[7] == 0
+
+
+def test_a_call_needing_grad_keeps_the_autograd_path(gpu):
+    t = inputs()
+    t["gamma"].requires_grad_(True)
+    y = fused(**t)
+    assert y.requires_grad and not gpu.launches and not codegen.call_plans
+    with torch.no_grad():
+        fused(**t)
+    assert len(gpu.launches) == 1 and len(codegen.call_plans) == 1
+
+
+def test_an_argument_that_cannot_be_keyed_gets_the_full_paths_error(gpu):
+    t = inputs()
+    with pytest.raises(AttributeError):
+        fused(**dict(t, k=None))
+    with pytest.raises(fusednorm.FusedNormInputError, match="norm must be one of"):
+        fused(**t, norm=["layer"])  # unhashable: no key, the check reports it
+    assert gpu.checks == 2 and not codegen.call_plans  # both errors came from the checks
+
+
+# ---- launch.py: the per-thread Params buffer ----
+
+def test_launch_packs_params_into_a_per_thread_buffer(monkeypatch):
+    seen = []
+
+    def cuLaunchKernel(function, gx, gy, gz, bx, by, bz, smem, stream, argv, extra):
+        params_address = ctypes.c_void_p.from_address(argv).value
+        seen.append((threading.get_ident(), argv, ctypes.string_at(params_address, launch.PARAMS.size),
+                     (function, gx, bx, smem, stream)))
+        return (0,)
+
+    fake_driver = SimpleNamespace(cuLaunchKernel=cuLaunchKernel,
+                                  CUresult=SimpleNamespace(CUDA_SUCCESS=0, CUDA_ERROR_INVALID_CONTEXT=201))
+    monkeypatch.setattr(launch, "_cu", fake_driver)
+    monkeypatch.setattr(launch, "_raw_launch", None)  # no libcuda: the cuda-python binding launches
+    kernel = SimpleNamespace(function="fn", handle=1, threads=256, smem_bytes=4096, device_index=0,
+                             spec=SimpleNamespace(key="k"))
+    tail = tuple(range(1, 22)) + (1e-5, 0.18)  # 11 strides, 10 sizes, eps, scale
+    before = launch.launch_count
+
+    def two_launches(base):
+        for n in range(2):
+            launch.launch(kernel, 7, 99, tuple(range(base + n, base + n + launch.POINTERS)), tail)
+
+    two_launches(100)
+    worker = threading.Thread(target=two_launches, args=(200,))
+    worker.start()
+    worker.join()
+    assert launch.launch_count == before + 4
+    for i, (_, _, params, config) in enumerate(seen):
+        base = (100, 101, 200, 201)[i]
+        assert params == launch.PARAMS.pack(*range(base, base + launch.POINTERS), *tail)
+        assert config == ("fn", 7, 256, 4096, 99)
+    assert seen[0][1] == seen[1][1], "one thread reuses its buffer"
+    assert seen[2][1] == seen[3][1] != seen[0][1], "another thread gets its own"
+
+
+def test_the_ctypes_launch_is_used_and_a_failure_goes_to_the_binding(monkeypatch):
+    raw_calls, bound_calls = [], []
+
+    def raw(handle, gx, gy, gz, bx, by, bz, smem, stream, argv, extra):
+        raw_calls.append((handle, gx, bx, smem, stream, ctypes.string_at(ctypes.c_void_p.from_address(argv).value,
+                                                                         launch.PARAMS.size)))
+        return raw_result[0]
+
+    def cuLaunchKernel(function, gx, gy, gz, bx, by, bz, smem, stream, argv, extra):
+        bound_calls.append(function)
+        return (0,)
+
+    raw_result = [0]
+    monkeypatch.setattr(launch, "_raw_launch", raw)
+    monkeypatch.setattr(launch, "_cu", SimpleNamespace(cuLaunchKernel=cuLaunchKernel, CUresult=SimpleNamespace(
+        CUDA_SUCCESS=0, CUDA_ERROR_INVALID_CONTEXT=201)))
+    kernel = SimpleNamespace(function="fn", handle=0xABC, threads=128, smem_bytes=1024, device_index=0,
+                             spec=SimpleNamespace(key="k"))
+    tail = tuple(range(1, 22)) + (1e-5, 0.18)
+    pointers = tuple(range(500, 500 + launch.POINTERS))
+    before = launch.launch_count
+    launch.launch(kernel, 3, 77, pointers, tail)
+    assert raw_calls == [(0xABC, 3, 128, 1024, 77, launch.PARAMS.pack(*pointers, *tail))] and bound_calls == []
+    raw_result[0] = 201  # e.g. no current context on this thread: the binding path retries and reports
+    monkeypatch.setattr(launch, "_make_primary_context_current", lambda index: None)
+    launch.launch(kernel, 3, 77, pointers, tail)
+    assert bound_calls == ["fn"] and launch.launch_count == before + 2
