@@ -15,6 +15,8 @@ class Options:
     dump_dir: str | None = None   # write numbered dumps of every compiled graph here (env FUSEDNORM_DUMP too)
     sm_count: int | None = None   # bound the fused kernels' persistent grid to this many SMs
     check_numerics: bool = False  # fused kernels flag NaN/Inf in their output and the op raises
+    plan: str = "measure"         # blocks with projections on CUDA: "measure" (plan only where measured faster than
+                                  # the compiler), "always", "never" (see fusednorm/plans/choose.py)
     report: Any = None            # a fusednorm.report.Report to fill (used by fusednorm.explain)
 
     @classmethod
@@ -25,6 +27,10 @@ class Options:
         if unknown:
             raise ValueError(f"fusednorm: unknown backend option(s) {unknown}; known: {sorted(known - {'report'})}")
         opts = cls(**options)
+        from .plans.choose import POLICIES
+
+        if opts.plan not in POLICIES:
+            raise ValueError(f"fusednorm: option plan={opts.plan!r}; expected one of {POLICIES}")
         if opts.compiler not in COMPILERS:
             raise ValueError(f"fusednorm: option compiler={opts.compiler!r}; expected one of {COMPILERS}")
         if opts.dump_dir is None and os.environ.get("FUSEDNORM_DUMP"):

@@ -98,7 +98,8 @@ def test_what_runs_on_cuda(monkeypatch):
     args = {n: None for n in ("k", "v", "gamma", "beta", "wq", "bq", "wo", "bo", "mask")}
     args["x"] = types.SimpleNamespace(device=torch.device("cuda"))
     monkeypatch.setattr(dispatch, "why_not_fast", lambda *a: "head dim 7 is not supported")
-    assert match_pass._what_runs(args, "layer") == ("left to the compiler", "head dim 7 is not supported")
+    assert match_pass._what_runs(args, "layer") == (
+        "left to the compiler", "no fused CUDA kernel/plan for this block: head dim 7 is not supported")
 
     def no_codegen(*a):
         raise ImportError("No module named 'fusednorm.codegen'")
@@ -108,7 +109,10 @@ def test_what_runs_on_cuda(monkeypatch):
     assert "fusednorm.codegen is not available" in reason
     monkeypatch.setattr(dispatch, "why_not_fast", lambda *a: None)
     assert match_pass._what_runs(args, "layer") == ("generated CUDA kernel", None)
-    assert match_pass._what_runs({**args, "wq": object()}, "layer") == ("CUDA projection plan", None)
+    assert match_pass._what_runs({**args, "wq": object()}, "layer", "always") == (
+        "CUDA projection plan: the plan (option plan='always')", None)
+    assert match_pass._what_runs({**args, "wq": object()}, "layer", "never") == (
+        "left to the compiler", "left to the compiler (option plan='never')")
     assert match_pass._what_runs({**args, "x": types.SimpleNamespace(device=torch.device("cpu"))},
                                  "layer") == ("reference", None)
 
@@ -125,7 +129,8 @@ class Block(nn.Module):
 
 
 def test_a_block_without_a_fast_path_is_left_to_the_compiler(fusion, monkeypatch):
-    monkeypatch.setattr(match_pass, "_what_runs", lambda args, norm: ("left to the compiler", "no kernel for d=8"))
+    monkeypatch.setattr(match_pass, "_what_runs", lambda args, norm, plan: (
+        "left to the compiler", "no fused CUDA kernel/plan for this block: no kernel for d=8"))
     model = Block().eval()
     x, c = torch.randn(2, 3, 16), torch.randn(2, 5, 16)
     assert torch.equal(fusion.compile(model)(x, c), model(x, c))

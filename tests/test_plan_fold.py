@@ -74,3 +74,24 @@ def test_folded_weights_follow_in_place_updates():
     second = fold_weights("layer", *w.values(), torch.float32)
     assert second is not first
     assert torch.allclose(second.wq, 2 * first.wq)
+
+
+def test_a_new_tensor_in_the_same_memory_is_folded_again():
+    """Same storage pointer, same version, another tensor: not the cached weights (freed memory gets reused)."""
+    torch.manual_seed(4)
+    w = _weights(torch.float32)
+    first = fold_weights("layer", *w.values(), torch.float32)
+    alias = {n: t.detach() for n, t in w.items()}  # new objects over the same storage and version counters
+    assert alias["wq"].data_ptr() == w["wq"].data_ptr() and alias["wq"]._version == w["wq"]._version
+    second = fold_weights("layer", *alias.values(), torch.float32)
+    assert second is not first
+    assert torch.equal(second.wq, first.wq)
+
+
+def test_plan_without_wq_folds_only_the_out_projection():
+    torch.manual_seed(5)
+    w = _weights(torch.float32)
+    folded = fold_weights("layer", w["gamma"], w["beta"], None, None, w["wo"], w["bo"], torch.float32)
+    assert folded.wq is None and folded.u is None and folded.b is None
+    Dq = w["wo"].shape[1]
+    assert folded.o_cols == Dq + 8 and torch.equal(folded.wo[:, Dq], w["bo"]) and not folded.wo[:, Dq + 1:].any()

@@ -60,7 +60,7 @@ def run(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:
         for pattern in patterns:
             if not pattern.targets <= near:  # an op the pattern needs is not within its reach of this add
                 continue
-            result = attempt(pattern, anchor, space, order)
+            result = attempt(pattern, anchor, space, order, ctx.options.plan)
             if isinstance(result, Candidate):
                 candidates.append(result)
             elif isinstance(result, Failure):
@@ -105,15 +105,16 @@ def _is_residual_add(node: torch.fx.Node) -> bool:
 
 
 def attempt(pattern: Pattern, anchor: torch.fx.Node, space: HintSpace,
-            order: dict[torch.fx.Node, int]) -> Candidate | Failure | None:
+            order: dict[torch.fx.Node, int], plan: str = "measure") -> Candidate | Failure | None:
     """A checked candidate, the first reason the pattern's structural match failed, or None (no structure).
 
-    ``order`` is each graph node's position (ancestor searches stop at the earliest node that matters).
+    ``order`` is each graph node's position (ancestor searches stop at the earliest node that matters); ``plan``
+    the backend's plan option (plans/choose.py) for blocks with projections on CUDA.
     """
     first_failure = None
     try:
         for sm in match_at(pattern.graph, pattern.meta_exprs, anchor):
-            result = _check(pattern, sm, space, order)
+            result = _check(pattern, sm, space, order, plan)
             if isinstance(result, Candidate):
                 return result
             first_failure = first_failure or result
@@ -122,7 +123,7 @@ def attempt(pattern: Pattern, anchor: torch.fx.Node, space: HintSpace,
     return first_failure
 
 
-def _check(pattern: Pattern, sm: StructuralMatch, space: HintSpace, order) -> Candidate | Failure:
+def _check(pattern: Pattern, sm: StructuralMatch, space: HintSpace, order, plan: str) -> Candidate | Failure:
     roles = {role: sm.nodes.get(node) for role, node in pattern.roles.items()}
     inside = _inputs_from_inside(pattern, sm, order)
     if inside:
@@ -148,9 +149,9 @@ def _check(pattern: Pattern, sm: StructuralMatch, space: HintSpace, order) -> Ca
         if verdict is not True:
             return Failure(pattern.name, verdict if isinstance(verdict, str) and verdict
                            else "the pattern's check refused the match", roles, 4)
-    runs, no_kernel = _what_runs(args, pattern.norm)
+    runs, no_kernel = _what_runs(args, pattern.norm, plan)
     if no_kernel:
-        return Failure(pattern.name, f"no fused CUDA kernel/plan for this block: {no_kernel}", roles, 5)
+        return Failure(pattern.name, no_kernel, roles, 5)
     return Candidate(pattern, sm.anchor, dict(sm.values), sm.owned, roles, args, runs)
 
 
@@ -166,8 +167,8 @@ def _check_output(pattern: Pattern, args, anchor, space: HintSpace) -> None:
                            f"{tuple(y.shape)} {y.dtype} (its result has x's shape and dtype)")
 
 
-def _what_runs(args, norm) -> tuple[str, str | None]:
-    """('reference' | 'generated CUDA kernel' | 'CUDA projection plan', reason it cannot run fast or None)."""
+def _what_runs(args, norm, plan: str = "measure") -> tuple[str, str | None]:
+    """('reference' | 'generated CUDA kernel' | 'CUDA projection plan ...', why it is left to the compiler or None)."""
     x = args["x"]
     if x.device.type != "cuda":
         return "reference", None
@@ -181,8 +182,15 @@ def _what_runs(args, norm) -> tuple[str, str | None]:
     except Exception as e:  # a broken kernel check must not fuse a block it cannot vouch for
         reason = f"the kernel check failed ({type(e).__name__}: {e})"
     if reason:
-        return "left to the compiler", reason
-    return ("generated CUDA kernel" if args["wq"] is None and args["wo"] is None else "CUDA projection plan"), None
+        return "left to the compiler", f"no fused CUDA kernel/plan for this block: {reason}"
+    if args["wq"] is None and args["wo"] is None:
+        return "generated CUDA kernel", None
+    from ..plans.choose import decide
+
+    choice = decide(args, norm, plan)
+    if not choice.use_plan:
+        return "left to the compiler", choice.reason
+    return f"CUDA projection plan: {choice.reason}", None
 
 
 def _kv_params(pattern: Pattern) -> set[str]:

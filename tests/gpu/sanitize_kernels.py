@@ -4,7 +4,8 @@
     compute-sanitizer --tool racecheck python tests/gpu/sanitize_kernels.py
 
 Covers the three tile roles (short / base / long) of templates/pnca.cu, the padded head dim (40), the largest
-(256), a bool and an additive mask, and ragged lengths, so every code path of the template runs once.
+(256), a bool and an additive mask, and ragged lengths, so every code path of the template runs once; then the
+projection plan's stage mode (folded Q in, o and its ones column out) once per role.
 """
 from __future__ import annotations
 
@@ -45,6 +46,18 @@ def main() -> int:
         assert launch.launch_count == before + 1
         print(f"{role:5s} {str(dtype):15s} B={B} Lq={Lq} Lk={Lk} H={H} d={d} mask={mask_kind}: "
               f"finite={bool(torch.isfinite(y).all())}")
+    for role, B, Lq, Lk, H, d in (("short", 2, 1, 150, 2, 64), ("base", 2, 70, 77, 2, 40),
+                                  ("long", 1, 130, 300, 2, 64)):
+        select.force_role = role
+        D = H * d
+        r = lambda *s: torch.randn(*s, device="cuda", dtype=torch.bfloat16)  # noqa: E731
+        x, k, v = r(B, Lq, D), r(B, Lk, H, d).transpose(1, 2), r(B, Lk, H, d).transpose(1, 2)
+        before = launch.launch_count
+        y = torch.ops.fusednorm.pre_norm_cross_attn(x, k, v, 1 + 0.1 * r(D), 0.1 * r(D), r(D, D) / D**0.5, r(D),
+                                                    r(D, D) / D**0.5, r(D), None, "layer", 1e-5)
+        torch.cuda.synchronize()
+        assert launch.launch_count == before + 1
+        print(f"plan {role:5s} B={B} Lq={Lq} Lk={Lk} H={H} d={d}: finite={bool(torch.isfinite(y).all())}")
     select.force_role = None
     return 0
 

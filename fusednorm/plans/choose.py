@@ -1,0 +1,159 @@
+"""Whether a matched projection block takes the plan or stays with the compiler: measured, once per shape.
+
+The backend never makes a block slower: for each new (device, dtype, shapes, variant) it times the plan against
+the compiler (Inductor) on the same block with random inputs of those shapes, and takes the plan only when it is
+faster. The block the compiler gets is the unfused block as eager models write it (``unfused_block``). Options:
+``plan="measure"`` (default), ``"always"`` (tests, benchmarks), ``"never"``.
+
+The measurement runs in a worker thread: the backend is called inside Dynamo's compile, whose tracing context
+and fake mode are thread-local, so the nested Inductor compile of the reference block sees neither.
+"""
+from __future__ import annotations
+
+import math
+import threading
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+POLICIES = ("measure", "always", "never")
+MARGIN = 0.97        # the plan must beat the compiler by 3 %: timing noise never flips a block to a slower path
+TIMEOUT_S = 600.0
+
+
+@dataclass(frozen=True)
+class Choice:
+    use_plan: bool
+    reason: str       # in words, for the report: what was measured or why nothing was
+
+
+_choices: dict[tuple, Choice] = {}
+_lock = threading.Lock()
+
+
+def unfused_block(x, k, v, gamma, beta, wq, bq, wo, bo, mask, norm, eps, scale):
+    """The block as eager models compute it, in x's dtype (what the compiler would otherwise get)."""
+    D = x.shape[-1]
+    if norm == "layer":
+        h = F.layer_norm(x, (D,), gamma, beta, eps)
+    else:
+        h = F.rms_norm(x, (D,), gamma, eps)
+    B, Lq, _ = x.shape
+    H, d = k.shape[1], k.shape[3]
+    q = F.linear(h, wq, bq) if wq is not None else h
+    q = q.view(B, Lq, H, d).transpose(1, 2)
+    a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    o = a.transpose(1, 2).reshape(B, Lq, H * d)
+    return x + (F.linear(o, wo, bo) if wo is not None else o)
+
+
+def decide(args: dict, norm: str, policy: str = "measure") -> Choice:
+    """The plan or the compiler for one matched block; ``args`` are the op's arguments as fakes or metadata."""
+    if policy not in POLICIES:
+        raise ValueError(f"fusednorm: option plan={policy!r}; expected one of {POLICIES}")
+    if policy == "always":
+        return Choice(True, "the plan (option plan='always')")
+    if policy == "never":
+        return Choice(False, "left to the compiler (option plan='never')")
+    tensors = {n: args[n] for n in ("x", "k", "v", "gamma", "beta", "wq", "bq", "wo", "bo", "mask")}
+    if any(t is not None and not all(isinstance(s, int) for s in t.shape) for t in tensors.values()):
+        return Choice(False, "left to the compiler: dynamic shapes (the plan is chosen by measuring a fixed shape)")
+    key = _key(tensors, norm, args["scale"])
+    with _lock:
+        hit = _choices.get(key)
+        if hit is None:
+            hit = _choices[key] = _measure(tensors, norm, float(args["eps"]), args["scale"])
+    return hit
+
+
+def _key(tensors, norm, scale):
+    def sig(t):
+        return None if t is None else (tuple(t.shape), str(t.dtype))
+
+    x = tensors["x"]
+    device = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    return (torch.cuda.get_device_name(device), norm, scale, tuple(sig(t) for t in tensors.values()))
+
+
+def _measure(tensors, norm, eps, scale) -> Choice:
+    result: dict = {}
+
+    def work():
+        try:
+            result["times"] = _time_both(tensors, norm, eps, scale)
+        except Exception as e:  # noqa: BLE001 - a failed measurement leaves the block to the compiler
+            result["error"] = f"{type(e).__name__}: {e}"
+
+    worker = threading.Thread(target=work, name="fusednorm-plan-measure", daemon=True)
+    worker.start()
+    worker.join(TIMEOUT_S)
+    if "times" not in result:
+        why = result.get("error", f"no result within {TIMEOUT_S:.0f} s")
+        return Choice(False, f"left to the compiler: the plan could not be measured ({why[:200]})")
+    return _verdict(*result["times"])
+
+
+def _verdict(plan_us: float, compiler_us: float) -> Choice:
+    measured = f"measured plan {plan_us:.1f} µs vs compiler {compiler_us:.1f} µs"
+    if plan_us < MARGIN * compiler_us:
+        return Choice(True, f"the plan ({measured})")
+    return Choice(False, f"left to the compiler: not faster ({measured})")
+
+
+def _time_both(tensors, norm, eps, scale) -> tuple[float, float]:
+    from . import run_plan
+
+    x = tensors["x"]
+    device = torch.device("cuda", x.device.index if x.device.index is not None else torch.cuda.current_device())
+    with torch.cuda.device(device), torch.no_grad():
+        real = {n: _random_like(n, t, device) for n, t in tensors.items()}
+        names = [n for n, t in real.items() if t is not None]
+
+        def block(*ts):
+            kw = dict(real, **dict(zip(names, ts)))
+            return unfused_block(**kw, norm=norm, eps=eps, scale=scale)
+
+        inputs = [real[n] for n in names]
+        from torch.fx.experimental.proxy_tensor import make_fx
+
+        compiled = torch._inductor.compile(make_fx(block)(*inputs), inputs)
+        plan_us = _gpu_us(lambda: run_plan(**real, norm=norm, eps=eps, scale=scale, sm_count=None,
+                                           check_numerics=False))
+        compiler_us = _gpu_us(lambda: compiled(*inputs))
+    return plan_us, compiler_us
+
+
+def _random_like(name, t, device):
+    """Fresh random values of t's shape and dtype (never zeros): weights scaled like a trained layer's."""
+    if t is None:
+        return None
+    if t.dtype == torch.bool:
+        m = torch.rand(t.shape, device=device) > 0.2
+        m[..., 0] = True  # no fully masked row: the compiler's SDPA would return NaN there
+        return m
+    r = torch.randn(t.shape, device=device, dtype=torch.float32)
+    if name in ("wq", "wo"):
+        r /= math.sqrt(t.shape[-1])
+    elif name == "gamma":
+        r = 1 + 0.1 * r
+    elif name in ("beta", "bq", "bo", "mask"):
+        r *= 0.1
+    return r.to(t.dtype)
+
+
+def _gpu_us(fn, reps: int = 20, windows: int = 3) -> float:
+    """Time per call over back-to-back calls (host cost included when it dominates, as it would in the model)."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    best = math.inf
+    for _ in range(windows):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(reps):
+            fn()
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) * 1e3 / reps)
+    return best

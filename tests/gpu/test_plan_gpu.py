@@ -1,0 +1,137 @@
+"""The projection plan (plans/) against a float64 reference on a CUDA GPU (skipped cleanly without one).
+
+Every projection variant (Wq and Wo each with or without its bias, Wq alone, Wo alone), LayerNorm and RMSNorm,
+no / bool / additive mask, fp16 and bf16; fresh random inputs, outputs poisoned before launch. The error is
+taken on the block's update y - x (the residual would hide it) and must stay within 2x eager PyTorch's error in
+the same dtype. Also: activations whose mean is large against their spread (where folding the norm into Wq
+cancels), weights updated in place, and the compiled model taking the plan.
+"""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+import torch.nn as nn
+
+pytestmark = pytest.mark.gpu
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+
+import fusednorm  # noqa: E402
+from fusednorm import codegen  # noqa: E402
+from fusednorm.codegen import launch  # noqa: E402
+from fusednorm.plans.choose import unfused_block  # noqa: E402
+from fusednorm.reference import reference_pre_norm_cross_attn  # noqa: E402
+
+DEV = "cuda"
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+VARIANTS = {  # which of wq, bq, wo, bo are present
+    "full": (1, 1, 1, 1), "no_biases": (1, 0, 1, 0), "q_bias_only": (1, 1, 1, 0), "o_bias_only": (1, 0, 1, 1),
+    "wq_only": (1, 1, 0, 0), "wo_only": (0, 0, 1, 1),
+}
+OP = torch.ops.fusednorm.pre_norm_cross_attn
+
+
+@pytest.fixture(autouse=True)
+def poisoned_outputs():
+    codegen.poison_outputs = True
+    yield
+    codegen.poison_outputs = False
+
+
+def make(dtype, variant, norm, mask, B=2, Lq=37, H=4, d=64, Lk=77, mean=0.3, gen=None):
+    D = H * d
+    r = lambda *s: torch.randn(*s, device=DEV, generator=gen)  # noqa: E731
+    has = dict(zip(("wq", "bq", "wo", "bo"), VARIANTS[variant]))
+    t = dict(x=(r(B, Lq, D) * 1.5 + mean).to(dtype),
+             k=r(B, Lk, H, d).to(dtype).transpose(1, 2), v=r(B, Lk, H, d).to(dtype).transpose(1, 2),
+             gamma=(1 + 0.2 * r(D)).to(dtype), beta=(0.1 * r(D)).to(dtype) if norm == "layer" else None,
+             wq=(r(D, D) / D**0.5).to(dtype) if has["wq"] else None, bq=(0.2 * r(D)).to(dtype) if has["bq"] else None,
+             wo=(r(D, D) / D**0.5).to(dtype) if has["wo"] else None, bo=(0.2 * r(D)).to(dtype) if has["bo"] else None,
+             mask=None)
+    if mask == "bool":
+        keep = torch.randint(1, Lk + 1, (B,), device=DEV, generator=gen)
+        t["mask"] = (torch.arange(Lk, device=DEV)[None, :] < keep[:, None])[:, None, None, :]
+    elif mask == "add":
+        t["mask"] = (2 * r(B, 1, Lq, Lk)).to(dtype)
+    return t
+
+
+def update_error(y, t, norm, eps):
+    """Relative L2 error of y - x against the float64 reference's."""
+    up = {n: (None if v is None else (v if v.dtype == torch.bool else v.double())) for n, v in t.items()}
+    ref = reference_pre_norm_cross_attn(*up.values(), norm, eps, None) - up["x"]
+    return ((y.double() - up["x"] - ref).norm() / ref.norm()).item()
+
+
+def check(t, norm, eps=1e-5):
+    before = launch.launch_count
+    y = OP(*t.values(), norm, eps)
+    assert launch.launch_count == before + 1, "the plan's attention stage did not run"
+    assert y.shape == t["x"].shape and y.dtype == t["x"].dtype and torch.isfinite(y).all()
+    err = update_error(y, t, norm, eps)
+    err_eager = update_error(unfused_block(**t, norm=norm, eps=eps, scale=None), t, norm, eps)
+    assert err <= 2 * err_eager + 1e-6, f"plan error {err:.3e} > 2x eager error {err_eager:.3e}"
+    return err, err_eager
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_every_projection_variant(dtype, variant):
+    gen = torch.Generator(device=DEV).manual_seed(hash((dtype, variant)) % 2**31)
+    for norm, mask in itertools.product(("layer", "rms"), ("none", "bool", "add")):
+        check(make(DTYPES[dtype], variant, norm, mask, gen=gen), norm)
+
+
+@pytest.mark.parametrize("d,H,Lq,Lk", [(40, 8, 1, 77), (80, 4, 129, 300), (128, 2, 3, 1500), (64, 4, 200, 16)])
+def test_head_dims_and_lengths(d, H, Lq, Lk):
+    check(make(torch.bfloat16, "full", "layer", "bool", H=H, d=d, Lq=Lq, Lk=Lk), "layer")
+
+
+@pytest.mark.parametrize("norm", ["layer", "rms"])
+def test_large_mean_against_spread(norm):
+    """|mean| >> std: folding the norm into Wq subtracts two large numbers; float32 qraw keeps it within 2x eager."""
+    check(make(torch.bfloat16, "full", norm, "none", mean=40.0), norm)
+
+
+def test_weights_updated_in_place_are_seen():
+    t = make(torch.bfloat16, "full", "layer", "none")
+    check(t, "layer")
+    with torch.no_grad():
+        t["wq"].mul_(-1.5)
+        t["gamma"].add_(0.5)
+        t["bo"].add_(1.0)
+    check(t, "layer")  # the folded copies are rebuilt from the new versions
+
+
+def test_compiled_decoder_layer_takes_the_plan():
+    """nn.TransformerDecoderLayer(norm_first=True) in bf16: the cross-attention block runs as the plan."""
+    torch.manual_seed(0)
+    layer = nn.TransformerDecoderLayer(256, 4, 512, dropout=0.0, batch_first=True, norm_first=True)
+    layer = layer.to(DEV, torch.bfloat16).eval()
+    tgt = torch.randn(2, 64, 256, device=DEV, dtype=torch.bfloat16)
+    memory = torch.randn(2, 77, 256, device=DEV, dtype=torch.bfloat16)
+    from fusednorm.report import Report
+
+    report = Report()
+    with torch.no_grad():
+        want = layer(tgt, memory)
+        before = launch.launch_count
+        got = torch.compile(layer, backend="fusednorm", options={"report": report, "plan": "always"})(tgt, memory)
+    assert len(report.matches) == 1 and report.matches[0].runs.startswith("CUDA projection plan")
+    assert launch.launch_count > before
+    assert torch.isfinite(got).all()
+    assert ((got.double() - want.double()).norm() / want.double().norm()).item() < 2e-2
+
+
+def test_measured_choice_is_reported():
+    """plan='measure' (the default): the report carries the measured times, whichever way the choice went."""
+    layer = nn.TransformerDecoderLayer(256, 4, 512, dropout=0.0, batch_first=True, norm_first=True)
+    layer = layer.to(DEV, torch.bfloat16).eval()
+    tgt = torch.randn(4, 256, 256, device=DEV, dtype=torch.bfloat16)
+    memory = torch.randn(4, 77, 256, device=DEV, dtype=torch.bfloat16)
+    with torch.no_grad():
+        report = fusednorm.explain(layer, tgt, memory)
+    texts = [m.runs for m in report.matches] + [n.reason for n in report.near_misses]
+    assert any("measured plan" in s and "compiler" in s for s in texts), texts

@@ -1,0 +1,97 @@
+"""The projection plan's choice: measured once per shape against the compiler, reported with its numbers."""
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from fusednorm.plans import choose
+
+
+def fake(*shape, dtype=torch.bfloat16, device="cuda"):
+    return types.SimpleNamespace(shape=shape, dtype=dtype, device=torch.device(device))
+
+
+def args(B=2, Lq=64, D=256, H=4, Lk=77, wo=True):
+    d = D // H
+    a = {n: None for n in ("gamma", "beta", "wq", "bq", "wo", "bo", "mask")}
+    a.update(x=fake(B, Lq, D), k=fake(B, H, Lk, d), v=fake(B, H, Lk, d), gamma=fake(D), beta=fake(D),
+             wq=fake(D, D), bq=fake(D), eps=1e-5, scale=None)
+    if wo:
+        a.update(wo=fake(D, D), bo=fake(D))
+    return a
+
+
+@pytest.fixture
+def measured(monkeypatch):
+    calls = []
+
+    def measure(tensors, norm, eps, scale):
+        calls.append(tuple(tensors["x"].shape))
+        plan_us, compiler_us = (50.0, 80.0) if tensors["x"].shape[1] == 64 else (80.0, 79.0)
+        return choose._verdict(plan_us, compiler_us)
+
+    monkeypatch.setattr(choose, "_measure", measure)
+    monkeypatch.setattr(choose, "_key", lambda tensors, norm, scale: (norm, scale, tuple(
+        None if t is None else tuple(t.shape) for t in tensors.values())))
+    monkeypatch.setattr(choose, "_choices", {})
+    return calls
+
+
+def test_the_plan_is_taken_only_where_it_measured_faster(measured):
+    fast = choose.decide(args(Lq=64), "layer")
+    assert fast.use_plan and "measured plan 50.0 µs vs compiler 80.0 µs" in fast.reason
+    slow = choose.decide(args(Lq=65), "layer")  # 80 vs 79: not faster
+    assert not slow.use_plan and slow.reason.startswith("left to the compiler: not faster")
+
+
+def test_within_the_noise_margin_the_compiler_keeps_the_block():
+    assert not choose._verdict(78.0, 80.0).use_plan  # 2.5 % faster is inside the 3 % margin
+    assert choose._verdict(70.0, 80.0).use_plan
+
+
+def test_each_shape_is_measured_once(measured):
+    for _ in range(3):
+        choose.decide(args(Lq=64), "layer")
+    choose.decide(args(Lq=64, wo=False), "layer")  # another variant: measured separately
+    assert measured == [(2, 64, 256), (2, 64, 256)]
+
+
+def test_options_always_and_never_skip_the_measurement(measured):
+    assert choose.decide(args(), "layer", "always").use_plan
+    assert not choose.decide(args(), "layer", "never").use_plan
+    assert measured == []
+    with pytest.raises(ValueError, match="plan='sometimes'"):
+        choose.decide(args(), "layer", "sometimes")
+
+
+def test_dynamic_shapes_stay_with_the_compiler(measured):
+    a = args()
+    a["x"] = fake(2, object(), 256)  # a symbolic length
+    choice = choose.decide(a, "layer")
+    assert not choice.use_plan and "dynamic shapes" in choice.reason and measured == []
+
+
+def test_a_failed_measurement_leaves_the_block_to_the_compiler(monkeypatch):
+    def broken(*a):
+        raise RuntimeError("out of memory")
+
+    monkeypatch.setattr(choose, "_time_both", broken)
+    choice = choose._measure({}, "layer", 1e-5, None)
+    assert not choice.use_plan and "could not be measured (RuntimeError: out of memory)" in choice.reason
+
+
+def test_the_unfused_block_is_the_op_in_eager_torch():
+    from fusednorm.reference import reference_pre_norm_cross_attn
+
+    g = torch.Generator().manual_seed(0)
+    B, Lq, D, H, Lk = 2, 5, 32, 4, 7
+    r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+    t = dict(x=r(B, Lq, D), k=r(B, H, Lk, D // H), v=r(B, H, Lk, D // H), gamma=1 + 0.1 * r(D), beta=0.1 * r(D),
+             wq=r(D, D) / D**0.5, bq=r(D), wo=r(D, D) / D**0.5, bo=r(D), mask=r(B, 1, Lq, Lk))
+    for norm in ("layer", "rms"):
+        tt = dict(t, beta=None) if norm == "rms" else t
+        got = choose.unfused_block(**tt, norm=norm, eps=1e-5, scale=0.3)
+        ref = reference_pre_norm_cross_attn(*tt.values(), norm, 1e-5, 0.3)
+        assert torch.allclose(got, ref, rtol=1e-5, atol=1e-5)
