@@ -2,14 +2,17 @@
 
     python bench/models.py --out bench/out [--models whisper,t5,unet,torch] [--dtype bf16]
 
-Models are built from base-size configs with random weights (no downloads). For each: GPU time per forward as
-the median of timed repeats (CUDA events, after warm-up), the number of blocks fusednorm fused, and the output
-difference of each compiled model from eager (relative L2, and both against a float32 eager run).
-Writes models.json under --out and prints a markdown table last.
+Models are built from base-size configs with random weights (no downloads). For each: GPU time per forward of
+eager, Inductor and fusednorm, the number of blocks fusednorm fused, and the output difference of each compiled
+model from eager (relative L2). Timing: all three variants are compiled and warmed up first, then timed
+interleaved (eager, Inductor, fusednorm, eager, ... for --rounds rounds), each forward between CUDA events behind a
+short GPU spin; medians are reported. A model whose library (transformers, diffusers) is missing is skipped with
+a message. Writes models.json under --out and prints a markdown table last.
 """
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import statistics
@@ -68,21 +71,36 @@ def torch_decoder(device, dtype):
 
 
 MODELS = {"whisper": whisper_base, "t5": t5_base, "unet": unet_sd15, "torch": torch_decoder}
+LIBRARY = {"whisper": "transformers", "t5": "transformers", "unet": "diffusers"}  # what each builder imports
 
 
-def gpu_time_ms(fn, warmup=3, repeats=20):
-    for _ in range(warmup):
-        fn()
+SPIN_US = 50  # GPU spin before each timed forward: the GPU is busy while the host starts queuing the forward
+
+
+def gpu_time_ms(fns, warmup=3, rounds=20):
+    """Median GPU ms per call of each of ``fns`` ({label: fn}).
+
+    Every variant is warmed up before any is timed, then the variants are timed round-robin, so that a clock or
+    cache state drifting during the run falls on all of them alike (timing them one after the other made the first
+    look faster than an identical second). Each call sits between two events behind a GPU spin.
+    """
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    clock_khz = getattr(torch.cuda.get_device_properties(0), "clock_rate", None)
+    cycles = int(SPIN_US * clock_khz / 1e3) if clock_khz else 100_000
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = {label: [] for label in fns}
+    for _ in range(rounds):
+        for label, fn in fns.items():
+            torch.cuda._sleep(cycles)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times[label].append(start.elapsed_time(end))
+    return {label: statistics.median(t) for label, t in times.items()}
 
 
 def rel_l2(a, b):
@@ -90,28 +108,54 @@ def rel_l2(a, b):
     return ((a - b).norm() / b.norm()).item()
 
 
-def bench_one(name, device, dtype):
+def bench_one(name, device, dtype, rounds=20):
     title, model, inputs, pick = MODELS[name](device, dtype)
     row = {"model": name, "title": title}
+    torch._dynamo.reset()
     with torch.no_grad():
         ref = pick(model(**inputs)).float()
-        row["eager_ms"] = gpu_time_ms(lambda: model(**inputs))
-        for label, backend, options in (("inductor", "inductor", None), ("fusednorm", "fusednorm", "report")):
-            torch._dynamo.reset()
-            report = Report()
-            kw = {"options": {"report": report}} if options else {}
+        fns = {"eager": lambda: model(**inputs)}
+        # both compiled models wrap the same module; Dynamo keeps one cache entry per backend, so no reset between
+        report, forced = Report(), Report()
+        # "fusednorm": the backend as shipped (each projection block measured: plan or Inductor, whichever is
+        # faster); "fusednorm_plan": every matched block forced onto the plan (option plan="always")
+        for label, backend, kw in (("inductor", "inductor", {}),
+                                   ("fusednorm", "fusednorm", {"options": {"report": report}}),
+                                   ("fusednorm_plan", "fusednorm", {"options": {"report": forced, "plan": "always"}})):
             compiled = torch.compile(model, backend=backend, **kw)
             t0 = time.time()
             out = pick(compiled(**inputs)).float()
             row[f"{label}_compile_s"] = round(time.time() - t0, 1)
-            row[f"{label}_ms"] = gpu_time_ms(lambda: compiled(**inputs))
             row[f"{label}_rel_l2_vs_eager"] = rel_l2(out, ref)
-            if options:
-                row["fused_blocks"] = len(report.matches)
-                row["not_fused"] = [n.reason for n in report.near_misses]
-                row["runs"] = sorted({m.runs for m in report.matches})
+            fns[label] = lambda compiled=compiled: compiled(**inputs)
+        row["fused_blocks"] = len(report.matches)
+        row["not_fused"] = sorted({n.reason for n in report.near_misses})
+        row["runs"] = sorted({m.runs for m in report.matches})
+        row["plan_blocks"] = len(forced.matches)
+        for label, ms in gpu_time_ms(fns, rounds=rounds).items():
+            row[f"{label}_ms"] = ms
     print(json.dumps(row), flush=True)
     return row
+
+
+def run_models(names, device, dtype, rounds=20):
+    """One row per model; a missing library skips its model, any other failure is recorded, and the rest run."""
+    rows = []
+    for name in names:
+        lib = LIBRARY.get(name)
+        if lib and importlib.util.find_spec(lib) is None:
+            rows.append({"model": name, "skipped": f"needs {lib}, which is not installed"})
+            print(f"skipping {name}: {rows[-1]['skipped']}", flush=True)
+            continue
+        try:
+            rows.append(bench_one(name, device, dtype, rounds))
+        except Exception as e:  # one model's failure is reported, the others still run
+            rows.append({"model": name, "error": f"{type(e).__name__}: {e}"})
+            print(json.dumps(rows[-1]), flush=True)
+        torch._dynamo.reset()  # drop the compiled code (and the model its guards hold) before the next model
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    return rows
 
 
 def main():
@@ -119,30 +163,31 @@ def main():
     p.add_argument("--out", default="bench/out")
     p.add_argument("--models", default=",".join(MODELS))
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
+    p.add_argument("--rounds", type=int, default=20, help="timed forwards per variant (interleaved)")
     args = p.parse_args()
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+    unknown = [n for n in args.models.split(",") if n not in MODELS]
+    if unknown:
+        p.error(f"unknown model(s) {', '.join(unknown)}; known: {', '.join(MODELS)}")
     os.makedirs(args.out, exist_ok=True)
-    rows = []
-    for name in args.models.split(","):
-        try:
-            rows.append(bench_one(name, "cuda", dtype))
-        except Exception as e:  # one model's failure is reported, the others still run
-            rows.append({"model": name, "error": f"{type(e).__name__}: {e}"})
-            print(json.dumps(rows[-1]), flush=True)
+    rows = run_models(args.models.split(","), "cuda", dtype, args.rounds)
     meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "dtype": args.dtype,
             "date": time.strftime("%Y-%m-%d"), "fusednorm": fusednorm.__version__}
     with open(os.path.join(args.out, "models.json"), "w") as f:
         json.dump({"meta": meta, "rows": rows}, f, indent=1)
     print(f"\n{meta}\n")
-    print("| model | eager ms | Inductor ms | fusednorm ms | vs Inductor | fused blocks | rel L2 (fusednorm vs eager) |")
-    print("|---|---|---|---|---|---|---|")
+    print("| model | eager ms | Inductor ms | fusednorm ms | vs Inductor | fused blocks | rel L2 (fusednorm vs eager) "
+          "| all on the plan: ms, blocks, rel L2 |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
-        if "error" in r:
-            print(f"| {r['model']} | error: {r['error'][:80]} | | | | | |")
+        if "error" in r or "skipped" in r:
+            why = f"error: {r['error'][:80]}" if "error" in r else f"skipped: {r['skipped']}"
+            print(f"| {r['model']} | {why} | | | | | | |")
             continue
         speed = r["inductor_ms"] / r["fusednorm_ms"]
         print(f"| {r['title']} | {r['eager_ms']:.2f} | {r['inductor_ms']:.2f} | {r['fusednorm_ms']:.2f} | "
-              f"{speed:.2f}x | {r['fused_blocks']} | {r['fusednorm_rel_l2_vs_eager']:.2e} |")
+              f"{speed:.2f}x | {r['fused_blocks']} | {r['fusednorm_rel_l2_vs_eager']:.2e} | "
+              f"{r['fusednorm_plan_ms']:.2f}, {r['plan_blocks']}, {r['fusednorm_plan_rel_l2_vs_eager']:.2e} |")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,32 @@
+"""Run the generated kernel on one benchmark shape a few times, for Nsight Compute or compute-sanitizer.
+
+    ncu --clock-control none --kernel-name regex:pnca_ --launch-skip 2 --launch-count 1 \
+        --section SpeedOfLight --section WarpStateStats python bench/profile_kernel.py seed
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import fusednorm  # noqa: E402
+from bench_block import SHAPES, NoProjForm  # noqa: E402
+from fusednorm.codegen import select  # noqa: E402
+
+
+def main(argv):
+    name = argv[0]
+    if len(argv) > 1:
+        select.force_role = argv[1]
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    t = NoProjForm().make_inputs(SHAPES[name], torch.bfloat16, gen)
+    for _ in range(4):
+        y = fusednorm.fused_pre_norm_cross_attn(t["x"], t["k"], t["v"], t["gamma"], t["beta"], 1e-5)
+    torch.cuda.synchronize()
+    print(name, tuple(y.shape), bool(torch.isfinite(y).all()))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,71 @@
+"""Time candidate tile configurations of the generated kernel on the benchmark shapes (one run, one GPU).
+
+    PYTHONPATH=. python bench/sweep_tiles.py [--shapes seed,t5_dec]
+
+For each shape: the role the run-time choice picks, then each candidate TileConfig swapped in for that role
+(compiled on the spot), with its GPU time (CUDA-graph replay median) and its difference from eager. Use it to
+choose `spec.tile_for`; the chosen table is what CI compiles.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import fusednorm.codegen as codegen  # noqa: E402
+from bench_block import SHAPES, NoProjForm, graph_time_us, rel_diff  # noqa: E402
+from fusednorm.codegen import select, spec as spec_mod  # noqa: E402
+from fusednorm.codegen.spec import TileConfig  # noqa: E402
+
+T = TileConfig
+CANDIDATES = {  # role -> candidate tiles (the first is the current choice for d <= 64)
+    "long": [T(4, 2, 64, 1, 2), T(4, 2, 64, 1, 3), T(8, 1, 64, 1, 2), T(8, 2, 64, 1, 2), T(4, 1, 128, 1, 2)],
+    "base": [T(4, 1, 64, 1, 2), T(4, 1, 128, 1, 2), T(4, 1, 64, 1, 3)],
+    "short": [T(4, 1, 16, 4, 4), T(4, 1, 32, 4, 4), T(8, 1, 16, 8, 3), T(4, 1, 16, 4, 6)],
+}
+DEFAULT_SHAPES = "seed,sdxl64,sd15_64,t5_dec,whisper_dec,whisper_pre"
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default=DEFAULT_SHAPES)
+    args = ap.parse_args()
+    form = NoProjForm()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    original = spec_mod.tile_for
+    for name in args.shapes.split(","):
+        shape = SHAPES[name]
+        B, Lq, D, H, Lk = shape
+        d = D // H
+        t = form.make_inputs(shape, torch.bfloat16, gen)
+        ref = form.eager(**t)
+        role = select.tile_role(Lq, Lk, B, H, sms)
+        print(f"{name} {shape} role={role} default={original(role, d).token}", flush=True)
+        for tile in CANDIDATES[role]:
+            if d > 128 and tile.m_tiles * tile.block_n > 64:
+                continue
+            codegen.tile_for = lambda r, hd, _t=tile: _t if r == role else original(r, hd)
+            codegen._families.clear()
+            codegen._plans.clear()
+            codegen.call_plans.clear()  # cached launches hold the previous kernel
+            try:
+                diff = rel_diff(form.fused(**t), ref)
+                us = graph_time_us(form.fused, [t], min_total_s=0.1)
+                print(f"  {tile.token:14s} {us:8.1f} us  rel diff {diff:.1e}", flush=True)
+            except Exception as e:  # noqa: BLE001 - a candidate that does not fit is reported, not fatal
+                print(f"  {tile.token:14s} failed: {type(e).__name__}: {str(e)[:150]}", flush=True)
+        codegen.tile_for = original
+        codegen._families.clear()
+        codegen._plans.clear()
+        codegen.call_plans.clear()
+        del t, ref
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()

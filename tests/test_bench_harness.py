@@ -1,0 +1,171 @@
+"""The benchmark harness (bench/bench_block.py, bench/models.py) on the CPU: shape tables, byte and FLOP counts,
+the forms' eager blocks against the reference, and the timing arithmetic with a stand-in for CUDA."""
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from fusednorm.reference import reference_pre_norm_cross_attn
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+
+
+def _load(name, file):
+    spec = importlib.util.spec_from_file_location(name, BENCH / file)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+bb = _load("bench_block", "bench_block.py")
+TINY = (2, 5, 32, 4, 7)  # B, Lq, D, H, Lk
+
+
+def rel_l2(a, b):
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+@pytest.mark.parametrize("form", sorted(bb.FORMS))
+def test_every_shape_has_a_target(form):
+    f = bb.FORMS[form]
+    assert f.shapes and set(f.shapes) == set(f.target_us)
+    for B, Lq, D, H, Lk in f.shapes.values():
+        assert D % H == 0
+
+
+def test_shape_tables():
+    assert bb.SHAPES is bb.NoProjForm.shapes  # bench/profile_kernel.py imports SHAPES
+    assert bb.NoProjForm.shapes["seed"] == (32, 2048, 1024, 16, 77) and bb.NoProjForm.target_us["seed"] == 80
+    assert bb.NoProjForm.target_us["seed_lk2048"] == 1240
+    proj = {n: (bb.ProjForm.shapes[n], bb.ProjForm.target_us[n]) for n in bb.ProjForm.shapes}
+    assert proj == {
+        "seed": ((32, 2048, 1024, 16, 77), 450), "sdxl64": ((2, 4096, 640, 10, 77), 29),
+        "sdxl32": ((2, 1024, 1280, 20, 77), 28), "sd15_64": ((8, 4096, 320, 8, 77), 40),
+        "whisper_pre": ((16, 448, 1280, 20, 1500), 190), "whisper_dec": ((64, 1, 1280, 20, 1500), 125),
+        "t5_dec": ((32, 128, 1024, 16, 512), 45)}
+
+
+def test_expects_kernel():
+    assert bb.NoProjForm().expects_kernel(bb.NoProjForm.shapes["seed"])
+    assert bb.ProjForm().expects_kernel(bb.ProjForm.shapes["seed"])
+
+
+def test_proj_bytes_and_flops_by_hand():
+    B, Lq, D, H, Lk = TINY
+    f = bb.ProjForm()
+    x = y = 2 * 5 * 32                   # elements of x, of y
+    kv = 2 * (2 * 7 * 32)                # k and v
+    weights = 2 * 32 * 32 + 4 * 32       # Wq, Wo; gamma, beta, bq, bo
+    assert f.bytes_moved(TINY, torch.bfloat16) == 2 * (x + y + kv + weights)
+    assert f.bytes_moved(TINY, torch.float32) == 4 * (x + y + kv + weights)
+    gemm = 2 * (2 * 5) * 32 * 32         # one projection: 2 * rows * D * D
+    attn = 2 * (2 * 2 * 4 * 5 * 7 * 8)   # QK^T and PV: 2 * B * H * Lq * Lk * d each
+    assert f.flops(TINY) == 2 * gemm + attn
+
+
+def test_noproj_bytes_and_flops_unchanged():
+    B, Lq, D, H, Lk = TINY
+    f = bb.NoProjForm()
+    assert f.bytes_moved(TINY, torch.bfloat16) == 2 * (2 * B * Lq * D + 2 * B * Lk * D + 2 * D)
+    assert f.flops(TINY) == 4 * B * Lq * Lk * D
+
+
+def test_proj_inputs():
+    t = bb.ProjForm().make_inputs(TINY, torch.float32, torch.Generator().manual_seed(0))
+    B, Lq, D, H, Lk = TINY
+    assert t["k"].shape == t["v"].shape == (B, H, Lk, D // H)
+    assert t["wq"].shape == t["wo"].shape == (D, D) and t["bq"].shape == t["bo"].shape == (D,)
+    assert 0.5 < float(t["wq"].std() * D**0.5) < 1.5  # std 1/sqrt(D)
+
+
+def test_proj_eager_matches_reference_and_op():
+    f = bb.ProjForm()
+    t = f.make_inputs(TINY, torch.float32, torch.Generator().manual_seed(0))
+    y = f.eager(**t)
+    ref = reference_pre_norm_cross_attn(t["x"], t["k"], t["v"], t["gamma"], t["beta"], t["wq"], t["bq"], t["wo"],
+                                        t["bo"], None, "layer", 1e-5, None)
+    assert rel_l2(y, ref) < 1e-5
+    assert rel_l2(f.fused(**t), y) < 1e-5  # torch.ops.fusednorm.pre_norm_cross_attn, CPU = the reference
+
+
+def test_noproj_eager_matches_reference():
+    f = bb.NoProjForm()
+    t = f.make_inputs(TINY, torch.float32, torch.Generator().manual_seed(0))
+    ref = reference_pre_norm_cross_attn(t["x"], t["k"], t["v"], t["gamma"], t["beta"], None, None, None, None,
+                                        None, "layer", 1e-5, None)
+    assert rel_l2(f.eager(**t), ref) < 1e-5
+
+
+def test_spin_and_window_sizes():
+    assert bb.spin_cycles(50, 1_980_000) == 99_000  # kHz clock: 50 µs at 1.98 GHz
+    assert bb.spin_cycles(50, None) == bb.spin_cycles(50, 0) == 100_000
+    assert bb.replays_per_window(30.0) == 7  # 7 * 30 µs >= 200 µs
+    assert bb.replays_per_window(500.0) == 1
+    assert bb.replays_per_window(0.0) == 1000  # bounded
+
+
+class _FakeCuda:
+    """Stands in for torch.cuda: each graph replay takes ``replay_ms`` of GPU time; events read the replay count."""
+
+    def __init__(self, replay_ms):
+        self.replay_ms, self.replays, self.sleeps = replay_ms, 0, []
+        fake = self
+
+        class Graph:
+            def replay(self):
+                fake.replays += 1
+
+        class Event:
+            def __init__(self, enable_timing=False):
+                self.at = None
+
+            def record(self):
+                self.at = fake.replays
+
+            def synchronize(self):
+                pass
+
+            def elapsed_time(self, end):
+                return (end.at - self.at) * fake.replay_ms
+
+        class Props:
+            clock_rate = 1_000_000  # kHz
+
+        self.CUDAGraph, self.Event = Graph, Event
+        self.synchronize = lambda: None
+        self.graph = lambda g: _NullContext()
+        self.get_device_properties = lambda i: Props()
+        self._sleep = self.sleeps.append
+
+
+class _NullContext:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def test_graph_time_us_divides_by_replays_and_sets(monkeypatch):
+    fake = _FakeCuda(replay_ms=0.030)  # 30 µs per replay of 3 calls -> 10 µs per call
+    monkeypatch.setattr(bb.torch, "cuda", fake)
+    calls = []
+    per_call = bb.graph_time_us(lambda **kw: calls.append(kw), [{"i": 0}, {"i": 1}, {"i": 2}])
+    assert per_call == pytest.approx(10.0)
+    assert len(calls) == 6  # warm-up and capture, one call per input set each
+    assert fake.sleeps and all(c >= 50_000 for c in fake.sleeps)  # >= 50 µs at 1 GHz before every window
+    assert fake.replays >= 8 + 10 * 7  # calibration, then >= 10 windows of 7 replays (>= 200 µs each)
+
+
+def test_models_skip_a_missing_library(monkeypatch, capsys):
+    models = _load("bench_models", "models.py")
+    monkeypatch.setitem(models.LIBRARY, "unet", "no_such_library_xyz")
+    monkeypatch.setattr(models, "bench_one", lambda *a, **k: pytest.fail("a skipped model must not be built"))
+    rows = models.run_models(["unet"], "cpu", torch.float32)
+    assert rows == [{"model": "unet", "skipped": "needs no_such_library_xyz, which is not installed"}]
+    assert "skipping unet" in capsys.readouterr().out
