@@ -15,8 +15,8 @@ class Options:
     dump_dir: str | None = None   # write numbered dumps of every compiled graph here (env FUSEDNORM_DUMP too)
     sm_count: int | None = None   # bound the fused kernels' persistent grid to this many SMs
     check_numerics: bool = False  # fused kernels flag NaN/Inf in their output and the op raises
-    plan: str = "measure"         # blocks with projections on CUDA: "measure" (plan only where measured faster than
-                                  # the compiler), "always", "never" (see fusednorm/plans/choose.py)
+    plan: str = "never"           # blocks with projections on CUDA: "never" (left to the compiler), "measure" (the
+                                  # plan where it measured faster than the compiler), "always" (plans/choose.py)
     report: Any = None            # a fusednorm.report.Report to fill (used by fusednorm.explain)
 
     @classmethod

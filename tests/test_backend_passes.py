@@ -112,7 +112,7 @@ def test_what_runs_on_cuda(monkeypatch):
     assert match_pass._what_runs({**args, "wq": object()}, "layer", "always") == (
         "CUDA projection plan: the plan (option plan='always')", None)
     assert match_pass._what_runs({**args, "wq": object()}, "layer", "never") == (
-        "left to the compiler", "left to the compiler (option plan='never')")
+        "left to the compiler", "left to the compiler (option plan='never', the default)")
     assert match_pass._what_runs({**args, "x": types.SimpleNamespace(device=torch.device("cpu"))},
                                  "layer") == ("reference", None)
 

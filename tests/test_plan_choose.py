@@ -30,7 +30,7 @@ def measured(monkeypatch):
     def measure(tensors, norm, eps, scale):
         calls.append(tuple(tensors["x"].shape))
         plan_us, compiler_us = (50.0, 80.0) if tensors["x"].shape[1] == 64 else (80.0, 79.0)
-        return choose._verdict(plan_us, compiler_us)
+        return choose._verdict(plan_us, 30.0, compiler_us)
 
     monkeypatch.setattr(choose, "_measure", measure)
     monkeypatch.setattr(choose, "_key", lambda tensors, norm, scale: (norm, scale, tuple(
@@ -40,22 +40,38 @@ def measured(monkeypatch):
 
 
 def test_the_plan_is_taken_only_where_it_measured_faster(measured):
-    fast = choose.decide(args(Lq=64), "layer")
-    assert fast.use_plan and "measured plan 50.0 µs vs compiler 80.0 µs" in fast.reason
-    slow = choose.decide(args(Lq=65), "layer")  # 80 vs 79: not faster
+    fast = choose.decide(args(Lq=64), "layer", "measure")
+    assert fast.use_plan and "measured plan 50.0 µs GPU, 30.0 µs host per call vs compiler 80.0 µs GPU" in fast.reason
+    slow = choose.decide(args(Lq=65), "layer", "measure")  # 80 vs 79: not faster
     assert not slow.use_plan and slow.reason.startswith("left to the compiler: not faster")
 
 
 def test_within_the_noise_margin_the_compiler_keeps_the_block():
-    assert not choose._verdict(78.0, 80.0).use_plan  # 2.5 % faster is inside the 3 % margin
-    assert choose._verdict(70.0, 80.0).use_plan
+    assert not choose._verdict(78.0, 10.0, 80.0).use_plan  # 2.5 % faster is inside the 3 % margin
+    assert choose._verdict(70.0, 10.0, 80.0).use_plan
+
+
+def test_a_plan_whose_host_time_exceeds_the_compilers_gpu_time_is_not_taken():
+    """In a compiled model the plan's host cost per call is paid in full when the model is host-bound."""
+    choice = choose._verdict(40.0, 180.0, 80.0)
+    assert not choice.use_plan and "180.0 µs host per call" in choice.reason
 
 
 def test_each_shape_is_measured_once(measured):
     for _ in range(3):
-        choose.decide(args(Lq=64), "layer")
-    choose.decide(args(Lq=64, wo=False), "layer")  # another variant: measured separately
+        choose.decide(args(Lq=64), "layer", "measure")
+    choose.decide(args(Lq=64, wo=False), "layer", "measure")  # another variant: measured separately
     assert measured == [(2, 64, 256), (2, 64, 256)]
+
+
+def test_the_default_option_leaves_blocks_with_projections_to_the_compiler(measured):
+    from fusednorm.options import Options
+
+    policy = Options.from_dict({}).plan
+    assert policy == "never"
+    assert not choose.decide(args(), "layer", policy).use_plan and measured == []
+    with pytest.raises(ValueError, match="plan='fast'"):
+        Options.from_dict({"plan": "fast"})
 
 
 def test_options_always_and_never_skip_the_measurement(measured):
@@ -69,7 +85,7 @@ def test_options_always_and_never_skip_the_measurement(measured):
 def test_dynamic_shapes_stay_with_the_compiler(measured):
     a = args()
     a["x"] = fake(2, object(), 256)  # a symbolic length
-    choice = choose.decide(a, "layer")
+    choice = choose.decide(a, "layer", "measure")
     assert not choice.use_plan and "dynamic shapes" in choice.reason and measured == []
 
 

@@ -105,7 +105,7 @@ def _is_residual_add(node: torch.fx.Node) -> bool:
 
 
 def attempt(pattern: Pattern, anchor: torch.fx.Node, space: HintSpace,
-            order: dict[torch.fx.Node, int], plan: str = "measure") -> Candidate | Failure | None:
+            order: dict[torch.fx.Node, int], plan: str = "never") -> Candidate | Failure | None:
     """A checked candidate, the first reason the pattern's structural match failed, or None (no structure).
 
     ``order`` is each graph node's position (ancestor searches stop at the earliest node that matters); ``plan``
@@ -167,7 +167,7 @@ def _check_output(pattern: Pattern, args, anchor, space: HintSpace) -> None:
                            f"{tuple(y.shape)} {y.dtype} (its result has x's shape and dtype)")
 
 
-def _what_runs(args, norm, plan: str = "measure") -> tuple[str, str | None]:
+def _what_runs(args, norm, plan: str = "never") -> tuple[str, str | None]:
     """('reference' | 'generated CUDA kernel' | 'CUDA projection plan ...', why it is left to the compiler or None)."""
     x = args["x"]
     if x.device.type != "cuda":

@@ -5,15 +5,15 @@ The norm folds into the Q projection (DESIGN §3):
     rms:    q = rstd * (x @ Wq'^T) + b'                 Wq' = Wq * gamma,                           b' = bq
 and the out-projection bias folds into the out GEMM by one extra K column:
     y = x + [o, 1, 0..] @ [Wo, bo, 0..]^T               (the kernel writes the 1; K stays a multiple of 8)
-Each cache entry is tied to the weight tensors themselves (weak references) and their version counters, so an
-in-place update (an optimizer step, load_state_dict) or a new tensor in freed memory is seen; nothing goes stale.
+Each cache entry is tied to the weights' storages (weak references) and version counters, so an in-place update
+(an optimizer step, load_state_dict) or a new tensor in freed memory is seen; nothing goes stale.
 """
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from ..reference import compute_dtype
 
@@ -34,26 +34,26 @@ _CACHE_LIMIT = 64
 
 
 def fold_weights(norm, gamma, beta, wq, bq, wo, bo, dtype) -> FoldedWeights:
-    """The folded weights, from the cache when these same tensor objects are unchanged since they were folded.
+    """The folded weights, from the cache while the weights' storages live and their contents are unchanged.
 
-    A tensor's storage pointer alone is not an identity: a freed weight's memory is handed to the next tensor of
-    that size. So an entry holds weak references to the very tensors it was folded from, and their pointer and
-    version counter then: a new object, an in-place update (optimizer step, load_state_dict) or a swapped storage
-    each rebuild it.
+    The key is each weight's storage (its StorageImpl, held by a weak reference so that it cannot be freed and
+    reused while the entry exists), data pointer, version counter, shape and strides: a compiled graph may hand
+    the op a new view object of the same parameter on every call (still a hit), while an in-place update
+    (optimizer step, load_state_dict) bumps the shared version counter and a freed weight's memory reused by
+    another tensor comes with a new storage (both miss, and the weights are folded again).
     """
     sources = (gamma, beta, wq, bq, wo, bo)
-    key = (norm, dtype, tuple(None if t is None else id(t) for t in sources))
-    state = tuple(None if t is None else (t.data_ptr(), t._version) for t in sources)
+    storages = tuple(None if t is None else t.untyped_storage() for t in sources)
+    key = (norm, dtype, tuple(None if t is None else (st._cdata, t.data_ptr(), t._version, tuple(t.shape),
+                                                      tuple(t.stride())) for t, st in zip(sources, storages)))
     hit = _cache.get(key)
-    if hit is not None:
-        refs, seen, folded = hit
-        if seen == state and all((r is None) == (t is None) and (r is None or r() is t) for r, t in zip(refs, sources)):
-            return folded
+    if hit is not None and not any(ref is not None and ref.expired() for ref in hit[0]):
+        return hit[1]
     with torch.no_grad():
         folded = _fold(norm, gamma, beta, wq, bq, wo, bo, dtype)
     if len(_cache) >= _CACHE_LIMIT:
         _cache.pop(next(iter(_cache)))
-    _cache[key] = (tuple(None if t is None else weakref.ref(t) for t in sources), state, folded)
+    _cache[key] = (tuple(None if st is None else StorageWeakRef(st) for st in storages), folded)
     return folded
 
 

@@ -23,6 +23,7 @@ from fusednorm import codegen  # noqa: E402
 from fusednorm.codegen import launch  # noqa: E402
 from fusednorm.plans.choose import unfused_block  # noqa: E402
 from fusednorm.reference import reference_pre_norm_cross_attn  # noqa: E402
+from fusednorm.report import Report  # noqa: E402
 
 DEV = "cuda"
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -105,20 +106,30 @@ def test_weights_updated_in_place_are_seen():
     check(t, "layer")  # the folded copies are rebuilt from the new versions
 
 
+def decoder_layer(B, Lq, Lk=77, D=256, H=4):
+    """A bf16 nn.TransformerDecoderLayer(norm_first=True) on the GPU and fresh (tgt, memory) for it."""
+    layer = nn.TransformerDecoderLayer(D, H, 2 * D, dropout=0.0, batch_first=True, norm_first=True)
+    inputs = (torch.randn(B, Lq, D, device=DEV, dtype=torch.bfloat16),
+              torch.randn(B, Lk, D, device=DEV, dtype=torch.bfloat16))
+    return layer.to(DEV, torch.bfloat16).eval(), inputs
+
+
+def compile_and_run(layer, inputs, plan=None):
+    report = Report()
+    options = {"report": report} if plan is None else {"report": report, "plan": plan}
+    with torch.no_grad():
+        out = torch.compile(layer, backend="fusednorm", options=options)(*inputs)
+    return out, report
+
+
 def test_compiled_decoder_layer_takes_the_plan():
     """nn.TransformerDecoderLayer(norm_first=True) in bf16: the cross-attention block runs as the plan."""
     torch.manual_seed(0)
-    layer = nn.TransformerDecoderLayer(256, 4, 512, dropout=0.0, batch_first=True, norm_first=True)
-    layer = layer.to(DEV, torch.bfloat16).eval()
-    tgt = torch.randn(2, 64, 256, device=DEV, dtype=torch.bfloat16)
-    memory = torch.randn(2, 77, 256, device=DEV, dtype=torch.bfloat16)
-    from fusednorm.report import Report
-
-    report = Report()
+    layer, inputs = decoder_layer(2, 64)
     with torch.no_grad():
-        want = layer(tgt, memory)
-        before = launch.launch_count
-        got = torch.compile(layer, backend="fusednorm", options={"report": report, "plan": "always"})(tgt, memory)
+        want = layer(*inputs)
+    before = launch.launch_count
+    got, report = compile_and_run(layer, inputs, "always")
     assert len(report.matches) == 1 and report.matches[0].runs.startswith("CUDA projection plan")
     assert launch.launch_count > before
     assert torch.isfinite(got).all()
@@ -126,12 +137,15 @@ def test_compiled_decoder_layer_takes_the_plan():
 
 
 def test_measured_choice_is_reported():
-    """plan='measure' (the default): the report carries the measured times, whichever way the choice went."""
-    layer = nn.TransformerDecoderLayer(256, 4, 512, dropout=0.0, batch_first=True, norm_first=True)
-    layer = layer.to(DEV, torch.bfloat16).eval()
-    tgt = torch.randn(4, 256, 256, device=DEV, dtype=torch.bfloat16)
-    memory = torch.randn(4, 77, 256, device=DEV, dtype=torch.bfloat16)
-    with torch.no_grad():
-        report = fusednorm.explain(layer, tgt, memory)
+    """plan='measure': the report carries the measured times, whichever way the choice went."""
+    _, report = compile_and_run(*decoder_layer(4, 256), "measure")
     texts = [m.runs for m in report.matches] + [n.reason for n in report.near_misses]
-    assert any("measured plan" in s and "compiler" in s for s in texts), texts
+    assert any("measured plan" in s and "host per call" in s for s in texts), texts
+
+
+def test_by_default_blocks_with_projections_stay_with_the_compiler():
+    layer, inputs = decoder_layer(2, 64)
+    before = launch.launch_count
+    _, report = compile_and_run(layer, inputs)  # no plan option
+    assert report.matches == [] and launch.launch_count == before
+    assert any("plan='never'" in n.reason for n in report.near_misses)

@@ -258,7 +258,7 @@ FN_INLINE void q_fragments(const Params& p, int row0, int col0, const float* mea
 
 // Copies are 16-byte chunks. Thread tid always copies chunk tid % CHUNKS of rows tid / CHUNKS + i * COPY_ROWS, so the
 // row and column offsets are worked out once per tile and each further row costs one pointer add (threads past
-// COPY_ROWS * CHUNKS have no chunk). Returns false for those threads.
+// COPY_ROWS * CHUNKS have no chunk and return at once).
 constexpr int COPY_ROWS = THREADS / CHUNKS;  // rows the CTA copies per pass
 
 // Keys [key_base, key_base + KV_ROWS) of one head into a stage. Rows up to the next multiple of 16 past Lk are
