@@ -110,7 +110,6 @@ def _verdict(plan_us: float, plan_host_us: float, compiler_us: float) -> Choice:
 
 def _time_both(tensors, norm, eps, scale) -> tuple[float, float, float]:
     """(plan GPU µs, plan host µs per call through the op, compiler GPU µs) for random inputs of these shapes."""
-
     x = tensors["x"]
     device = torch.device("cuda", x.device.index if x.device.index is not None else torch.cuda.current_device())
     with torch.cuda.device(device), torch.no_grad():

@@ -1,4 +1,4 @@
-"""The projection plan's three stages (the kernel of stage 2 is not generated yet; see plans/__init__.py).
+"""The projection plan's stage 2 in torch ops: the oracle of the stage kernel and of the fold algebra.
 
     1. qraw = x @ Wq'^T              cuBLAS, float32 output (the norm is folded into Wq', see weights.py)
     2. attention stage               one generated kernel: row stats of x, q = rstd*(qraw - mean*u) + b',
