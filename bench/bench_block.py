@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import fusednorm  # noqa: E402
 from fusednorm import codegen  # noqa: E402
 from fusednorm.codegen import launch, select  # noqa: E402
+from fusednorm.codegen.spec import TILE_ROLES  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -336,8 +337,8 @@ def main(argv=None):
         check = rel_diff(form.fused(**sets[0]), form.eager(**sets[0]))
         row = dict(name=name, shape=dict(zip("B Lq D H Lk".split(), shape)), bytes=nbytes, flops=flops,
                    floor_us=floor_us, target_us=form.target_us.get(name), fused_vs_eager_rel_diff=check,
-                   role=select.tile_role(shape[1], shape[4], shape[0], shape[3], props.multi_processor_count)
-                   if form.expects_kernel(shape) else None)
+                   role=select.tile_role(shape[1], shape[4], shape[0], shape[3], props.multi_processor_count,
+                                         few_keys=form.name == "noproj") if form.expects_kernel(shape) else None)
         row["eager_us"] = graph_time_us(form.eager, sets)
         row["inductor_us"] = graph_time_us(inductor, sets) if inductor else None
         before = launch.launch_count
@@ -346,7 +347,7 @@ def main(argv=None):
         if form.expects_kernel(shape):
             assert row["fused_kernel_ran"], "the fused kernel did not run"
         if args.roles and row["fused_kernel_ran"]:
-            for role in ("short", "base", "long"):
+            for role in TILE_ROLES:
                 select.force_role = role
                 try:
                     row[f"fused_{role}_us"] = graph_time_us(form.fused, sets[:1], min_total_s=0.05)

@@ -22,10 +22,13 @@ from fusednorm.codegen import select, spec as spec_mod  # noqa: E402
 from fusednorm.codegen.spec import TileConfig  # noqa: E402
 
 T = TileConfig
-CANDIDATES = {  # role -> candidate tiles (the first is the current choice for d <= 64)
-    "long": [T(4, 2, 64, 1, 2), T(4, 2, 64, 1, 3), T(8, 1, 64, 1, 2), T(8, 2, 64, 1, 2), T(4, 1, 128, 1, 2)],
-    "base": [T(4, 1, 64, 1, 2), T(4, 1, 128, 1, 2), T(4, 1, 64, 1, 3)],
-    "short": [T(4, 1, 16, 4, 4), T(4, 1, 32, 4, 4), T(8, 1, 16, 8, 3), T(4, 1, 16, 4, 6)],
+CANDIDATES = {  # role -> candidate tiles, each with the __launch_bounds__ minimum CTAs per SM it is built with
+    "long": [(T(4, 2, 64, 1, 2), 1), (T(4, 2, 64, 1, 3), 1), (T(8, 1, 64, 1, 2), 1), (T(4, 1, 128, 1, 2), 1)],
+    "base": [(T(4, 1, 64, 1, 2), 3), (T(4, 1, 128, 1, 2), 1), (T(4, 1, 64, 1, 3), 3)],
+    "few_keys": [(T(8, 1, 80, 1, 2, True), 2), (T(16, 1, 80, 1, 2, True), 1), (T(4, 1, 80, 1, 2, True), 3),
+                 (T(4, 2, 80, 1, 2, True), 1), (T(6, 2, 80, 1, 2, True), 2), (T(8, 2, 80, 1, 2, True), 1),
+                 (T(4, 2, 64, 1, 2), 1), (T(4, 1, 64, 1, 2), 3)],
+    "short": [(T(4, 1, 16, 4, 4), 1), (T(4, 1, 32, 4, 4), 1), (T(8, 1, 16, 8, 3), 1), (T(4, 1, 16, 4, 6), 1)],
 }
 DEFAULT_SHAPES = "seed,sdxl64,sd15_64,t5_dec,whisper_dec,whisper_pre"
 
@@ -38,6 +41,7 @@ def main():
     gen = torch.Generator(device="cuda").manual_seed(0)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     original = spec_mod.tile_for
+    original_min_ctas = spec_mod.KernelSpec.min_ctas_per_sm
     for name in args.shapes.split(","):
         shape = SHAPES[name]
         B, Lq, D, H, Lk = shape
@@ -46,9 +50,11 @@ def main():
         ref = form.eager(**t)
         role = select.tile_role(Lq, Lk, B, H, sms)
         print(f"{name} {shape} role={role} default={original(role, d).token}", flush=True)
-        for tile in CANDIDATES[role]:
-            if d > 128 and tile.m_tiles * tile.block_n > 64:
+        for tile, min_ctas in CANDIDATES[role]:
+            if d > 128 and tile.m_tiles * tile.block_n > 64 or tile.one_tile and Lk > tile.block_n:
                 continue
+            spec_mod.KernelSpec.min_ctas_per_sm = property(lambda s, _t=tile, _m=min_ctas: _m if s.tile == _t
+                                                           else original_min_ctas.fget(s))
             codegen.tile_for = lambda r, hd, _t=tile: _t if r == role else original(r, hd)
             codegen._families.clear()
             codegen._plans.clear()
@@ -56,10 +62,13 @@ def main():
             try:
                 diff = rel_diff(form.fused(**t), ref)
                 us = graph_time_us(form.fused, [t], min_total_s=0.1)
-                print(f"  {tile.token:14s} {us:8.1f} us  rel diff {diff:.1e}", flush=True)
+                kern = codegen._families[next(iter(codegen._families))][role] if codegen._families else None
+                occ = f"{kern.ctas_per_sm} CTAs/SM, {kern.registers} regs" if kern is not None else ""
+                print(f"  {tile.token:16s} min{min_ctas} {us:8.1f} us  rel diff {diff:.1e}  {occ}", flush=True)
             except Exception as e:  # noqa: BLE001 - a candidate that does not fit is reported, not fatal
                 print(f"  {tile.token:14s} failed: {type(e).__name__}: {str(e)[:150]}", flush=True)
         codegen.tile_for = original
+        spec_mod.KernelSpec.min_ctas_per_sm = original_min_ctas
         codegen._families.clear()
         codegen._plans.clear()
         codegen.call_plans.clear()

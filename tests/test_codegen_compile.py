@@ -90,13 +90,36 @@ def test_ptxas_report_parsing():
 # ---- run-time choices (no GPU needed) ----
 
 def test_role_follows_lengths():
-    assert select.tile_role(1, 1500, 64, 20) == "short"                # Whisper decode
-    assert select.tile_role(2048, 77, 32, 16) == "long"                # seed: many 128-row items
-    assert select.tile_role(448, 1500, 16, 20) == "long"               # Whisper prefill
-    assert select.tile_role(4096, 77, 2, 10) == "base"                 # SDXL: too few 128-row items
-    assert select.tile_role(128, 512, 32, 16) == "long"                # T5 decoder block: long keys
-    assert select.tile_role(300, 77, 2, 8) == "base"                   # a few short items
-    assert select.tile_role(2048, 77, 32, 16, sm_count=2000) == "base"  # a bigger GPU wants more items
+    assert select.tile_role(1, 1500, 64, 20) == "short"                 # Whisper decode
+    assert select.tile_role(1, 77, 64, 20) == "short"                   # decode with few keys: still short
+    assert select.tile_role(2048, 77, 32, 16) == "few_keys"             # seed: 77 keys fit one stage
+    assert select.tile_role(4096, 77, 2, 10) == "few_keys"              # SDXL
+    assert select.tile_role(17, 80, 2, 10) == "few_keys"                # the longest Lk one stage takes
+    assert select.tile_role(2048, 77, 32, 16, few_keys=False) == "long"  # the plan's stage mode
+    assert select.tile_role(448, 1500, 16, 20) == "long"                # Whisper prefill
+    assert select.tile_role(128, 512, 32, 16) == "long"                 # T5 decoder block: long keys
+    assert select.tile_role(300, 81, 2, 8) == "base"                    # a few short items
+    assert select.tile_role(2048, 81, 32, 16) == "long"                 # many 128-row items
+    assert select.tile_role(2048, 81, 32, 16, sm_count=2000) == "base"  # a bigger GPU wants more items
+
+
+def test_softmax_scale_goes_into_q_only_where_fp16_q_stays_exact():
+    from fusednorm.codegen import _scale_split
+    log2e = 1.4426950408889634
+    for d in HEAD_DIMS:  # every default scale: all of it into Q, the per-score multiply skipped (exactly 1)
+        assert _scale_split(d ** -0.5) == (d ** -0.5 * log2e, 1.0)
+    assert _scale_split(-0.3) == (-0.3 * log2e, 1.0)  # the sign rides in Q too
+    for scale in (1.0, 50.0, 1e-4, 0.0, -2.0):  # could overflow or underflow fp16 Q: the scores take it all
+        assert _scale_split(scale) == (1.0, scale * log2e)
+
+
+def test_few_keys_role_never_takes_more_keys_than_its_stage(monkeypatch):
+    monkeypatch.setattr(select, "force_role", "few_keys")
+    assert select.tile_role(2048, 80, 32, 16) == "few_keys"
+    assert select.tile_role(2048, 81, 32, 16) == "base"
+    for d in HEAD_DIMS:
+        tile = tile_for("few_keys", d)
+        assert not tile.one_tile or tile.block_n == select.FEW_KEYS
 
 
 def test_decode_plan_splits_heads_and_respects_sm_count():

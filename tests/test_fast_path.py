@@ -16,7 +16,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 import fusednorm
 from fusednorm import codegen, op
 from fusednorm.codegen import launch, select
-from fusednorm.codegen.spec import tile_for
+from fusednorm.codegen.spec import TILE_ROLES, tile_for
 from fusednorm.reference import reference_pre_norm_cross_attn
 
 pytestmark = pytest.mark.filterwarnings("ignore::fusednorm.FusedNormWarning")
@@ -44,7 +44,7 @@ class FakeGPU:
             self.families[fkey] = {
                 role: SimpleNamespace(spec=SimpleNamespace(tile=tile_for(role, d), key=f"fake_{role}_{fkey}"),
                                       ctas_per_sm=2, device_index=device_index, threads=128, smem_bytes=0)
-                for role in ("short", "base", "long")}
+                for role in TILE_ROLES}
         return self.families[fkey]
 
     def launch(self, kernel, grid, stream, pointers, tail):
@@ -350,7 +350,7 @@ def test_launch_packs_params_into_a_per_thread_buffer(monkeypatch):
     monkeypatch.setattr(launch, "_raw_launch", None)  # no libcuda: the cuda-python binding launches
     kernel = SimpleNamespace(function="fn", handle=1, threads=256, smem_bytes=4096, device_index=0,
                              spec=SimpleNamespace(key="k"))
-    tail = tuple(range(1, 22)) + (1e-5, 0.18)  # 11 strides, 10 sizes, eps, scale
+    tail = tuple(range(1, 22)) + (1e-5, 0.18, 1.0)  # 11 strides, 10 sizes, eps, q_scale, score_scale
     before = launch.launch_count
 
     def two_launches(base):
@@ -388,7 +388,7 @@ def test_the_ctypes_launch_is_used_and_a_failure_goes_to_the_binding(monkeypatch
         CUDA_SUCCESS=0, CUDA_ERROR_INVALID_CONTEXT=201)))
     kernel = SimpleNamespace(function="fn", handle=0xABC, threads=128, smem_bytes=1024, device_index=0,
                              spec=SimpleNamespace(key="k"))
-    tail = tuple(range(1, 22)) + (1e-5, 0.18)
+    tail = tuple(range(1, 22)) + (1e-5, 0.18, 1.0)
     pointers = tuple(range(500, 500 + launch.POINTERS))
     before = launch.launch_count
     launch.launch(kernel, 3, 77, pointers, tail)

@@ -192,8 +192,11 @@ def run_kernel(x, k, v, gamma, beta, mask, norm, eps, scale, sm_count, check_num
         device_sms = _sm_counts[device_index] = torch.cuda.get_device_properties(device_index).multi_processor_count
     sms = device_sms if sm_count is None else max(1, min(int(sm_count), device_sms))
     # the tile choice follows the device, never sm_count: results stay bit-identical whatever sm_count bounds
-    role = _select.tile_role(Lq, Lk, B, H, device_sms)
+    role = _select.tile_role(Lq, Lk, B, H, device_sms, few_keys=stage.qraw is None)
     kernel = fam[role]
+    if kernel.spec.tile.one_tile and Lk > kernel.spec.tile.block_n:  # the kernel would drop keys: never launch it
+        raise RuntimeError(f"fusednorm: internal error: {kernel.spec.key} takes at most "
+                           f"{kernel.spec.tile.block_n} keys, got Lk = {Lk}")
     pkey = (role, id(kernel), B, Lq, Lk, H, sms)
     plan = _plans.get(pkey)
     if plan is None:
@@ -202,13 +205,13 @@ def run_kernel(x, k, v, gamma, beta, mask, norm, eps, scale, sm_count, check_num
         plan = _plans[pkey] = _select.plan_launch(role, kernel.spec.tile, B, Lq, Lk, H, d, sms, kernel.ctas_per_sm)
 
     ks, vs = k.stride(), v.stride()
-    scale_log2 = (d ** -0.5 if scale is None else float(scale)) * 1.4426950408889634
+    q_scale, score_scale = _scale_split(d ** -0.5 if scale is None else float(scale))
     out_cols = stage.o_cols or D
     call = CallPlan(kernel, plan.grid, bool(check_numerics), (
         ks[0], ks[1], ks[2], vs[0], vs[1], vs[2], m_strides[0], m_strides[1], m_strides[2],
         stage.qraw.stride(0) if stage.qraw is not None else 0, out_cols,
         B, Lq, Lk, H, D, plan.heads_per_item, plan.head_groups, plan.row_blocks, plan.items,
-        int(stage.o_cols > H * d), float(eps), scale_log2), out_cols)
+        int(stage.o_cols > H * d), float(eps), q_scale, score_scale), out_cols)
     y = launch_call(call, x, k, v, gamma, beta, mask, stage)
     if stage.o_cols:
         return y  # the plan's stage is never cached: its call_key would not cover qraw, u and b
@@ -220,6 +223,14 @@ def run_kernel(x, k, v, gamma, beta, mask, norm, eps, scale, sm_count, check_num
             call_plans.clear()
         call_plans[call_key] = call
     return y
+
+
+def _scale_split(scale: float) -> tuple[float, float]:
+    """The softmax scale in log2 units as (into Q before rounding, onto the scores): all of it goes into Q when
+    Q * scale can neither overflow nor lose precision to subnormals in fp16 (1/64 <= |scale| <= 1: every
+    1/sqrt(d)), so the kernel skips a multiply per score; otherwise Q stays as is and the scores take all of it."""
+    s = scale * 1.4426950408889634
+    return (s, 1.0) if 1 / 64 <= abs(s) <= 1 else (1.0, s)
 
 
 # ---- the per-call signature cache: eager calls shaped like an earlier one skip the checks and the planning ----

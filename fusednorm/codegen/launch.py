@@ -14,10 +14,10 @@ from .cache import CompiledKernel
 from .spec import KernelSpec
 
 # The kernel's single argument, ``struct Params`` in templates/pnca.cu: 11 pointers, 11 int64 strides, 10 int32
-# sizes, 2 floats. The template static_asserts the same size.
-PARAMS = struct.Struct("<11Q11q10i2f")
+# sizes, 3 floats, padding to the struct's 8-byte alignment. The template static_asserts the same size.
+PARAMS = struct.Struct("<11Q11q10i3f4x")
 POINTERS = 11
-assert PARAMS.size == 224
+assert PARAMS.size == 232
 
 launch_count = 0  # kernels launched by this process; tests read it to prove the generated kernel ran
 

@@ -29,6 +29,7 @@ def config_constants(spec: KernelSpec) -> dict:
         "BLOCK_N": t.block_n,
         "KEY_SPLIT": t.key_split,
         "STAGES": t.stages,
+        "ONE_TILE": t.one_tile,
         "Q_IN_SMEM": spec.q_in_smem,
         "NORM_IS_RMS": spec.norm == "rms",
         "HAS_GAMMA": spec.has_gamma,

@@ -7,23 +7,28 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .spec import TileConfig
+from .spec import FEW_KEYS, TileConfig
 
-force_role: str | None = None  # "short" | "base" | "long" | None (automatic)
+force_role: str | None = None  # one of spec.TILE_ROLES, or None (automatic)
 
 
-def tile_role(q_len: int, kv_len: int, batch: int = 1, heads: int = 1, sm_count: int = 132) -> str:
+def tile_role(q_len: int, kv_len: int, batch: int = 1, heads: int = 1, sm_count: int = 132,
+              few_keys: bool = True) -> str:
     """Which tile configuration suits these lengths.
 
     "long" (128 query rows per CTA, two m-tiles per warp) reuses each K/V fragment twice and halves the per-row
     cost of every stage and barrier. It measured faster for long key lengths (tensor-core bound) and wherever its
     items still fill the GPU several times over (seed, SD 1.5: 10-25 %); with few items (SDXL 64x64:
     2 * 32 row blocks * 10 heads, Lk 77) the 64-row "base" tile wins by spreading the work wider.
+    Up to FEW_KEYS keys, "few_keys" (one stage per head, 8 warps of 16 rows) beat both on every such shape, but
+    not in the projection plan's stage mode (``few_keys=False``), whose extra registers leave it one CTA per SM.
     """
-    if force_role is not None:
-        return force_role
+    if force_role is not None:  # few_keys cannot take more keys than its one stage holds
+        return "base" if force_role == "few_keys" and kv_len > FEW_KEYS else force_role
     if q_len <= 16:
         return "short"  # too few query rows to fill warps: split the keys between warps instead
+    if few_keys and kv_len <= FEW_KEYS:
+        return "few_keys"  # one stage per head: nothing carried between key tiles (seed -20 %, SD 1.5 -21 %)
     if q_len >= 128 and (kv_len >= 256 or batch * _cdiv(q_len, 128) * heads >= 8 * sm_count):
         return "long"
     return "base"

@@ -16,8 +16,10 @@ MASK_KINDS = ("none", "bool", "add")
 ARCHS = (80, 90)  # what CI compiles for; any sm_8x / sm_9x device gets its own arch at run time
 
 # Tile configurations are named by the query rows they cover at once (the seed's 128/256/512 idea, scaled to the
-# lengths cross-attention meets): "short" for a handful of query rows (decode), "base", and "long".
-TILE_ROLES = ("short", "base", "long")
+# lengths cross-attention meets): "short" for a handful of query rows (decode), "base", and "long"; and
+# "few_keys" for key lengths up to FEW_KEYS (a text encoder's 77 tokens), where a head's keys fit one stage.
+TILE_ROLES = ("short", "base", "long", "few_keys")
+FEW_KEYS = 80  # block_n of the few_keys tiles: the longest Lk they take
 
 
 @dataclass(frozen=True)
@@ -27,6 +29,7 @@ class TileConfig:
     block_n: int     # keys per warp per pipeline step
     key_split: int   # 1, or == warps: the warps share one m-tile and split each K/V stage between them
     stages: int      # cp.async pipeline depth
+    one_tile: bool = False  # a head's keys all in one stage (chosen only when Lk <= block_n): nothing carried
 
     @property
     def threads(self) -> int:
@@ -55,6 +58,8 @@ class TileConfig:
             t += f"k{self.key_split}"
         if self.stages != 2:
             t += f"s{self.stages}"
+        if self.one_tile:
+            t += "one"
         return t
 
 
@@ -73,6 +78,10 @@ def tile_for(role: str, head_dim: int) -> TileConfig:
         if head_dim > 128:
             return tile_for("base", head_dim)
         return TileConfig(warps=8, m_tiles=1, block_n=32 if head_dim > 96 else 64, key_split=1, stages=2)
+    if role == "few_keys":  # one stage per head; 8 warps of 16 rows (more warps per SM beat K/V reuse: 18-21 %)
+        if head_dim > 128:
+            return tile_for("base", head_dim)
+        return TileConfig(warps=8, m_tiles=1, block_n=FEW_KEYS, key_split=1, stages=2, one_tile=True)
     raise ValueError(f"fusednorm: unknown tile role {role!r}; expected one of {TILE_ROLES}")
 
 
@@ -122,10 +131,13 @@ class KernelSpec:
     @property
     def min_ctas_per_sm(self) -> int:
         """__launch_bounds__ minimum: the memory-bound small-head base tile is worth the 3 CTAs per SM its shared
-        memory allows (<= 168 registers); elsewhere the compiler may use what it needs."""
+        memory allows (<= 168 registers), the few_keys tile with d <= 64 the 2 its shared memory allows (<= 128
+        registers; the plan's stage mode would spill there); elsewhere the compiler may use what it needs."""
         t = self.tile
         if t.key_split == 1 and t.m_tiles == 1 and t.warps == 4 and t.block_n <= 64 and self.head_dim <= 64:
             return 3
+        if t.one_tile and t.warps == 8 and t.m_tiles == 1 and self.head_dim <= 64 and not self.q_from_qraw:
+            return 2
         return 1
 
     @property
@@ -152,7 +164,10 @@ class KernelSpec:
         x_slots = t.stages * t.block_m * row_stride * 2
         stats = t.warps * t.rows_per_warp * 2 * 4
         combine = t.warps * 16 * (self.head_dim + 2) * 4 if t.key_split > 1 else 0
-        return kv + q + x_slots + stats + combine
+        wide = self.q_from_qraw or self.affine_f32
+        has_vecs = self.q_from_qraw or self.has_gamma or self.has_beta
+        affine_slots = t.stages * 2 * self.head_dim * (4 if wide else 2) if has_vecs else 0
+        return kv + q + x_slots + stats + combine + affine_slots
 
 
 def supported_grid(archs=ARCHS):

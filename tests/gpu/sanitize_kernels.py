@@ -3,7 +3,7 @@
     compute-sanitizer --tool memcheck  python tests/gpu/sanitize_kernels.py
     compute-sanitizer --tool racecheck python tests/gpu/sanitize_kernels.py
 
-Covers the three tile roles (short / base / long) of templates/pnca.cu, the padded head dim (40), the largest
+Covers every tile role (short / base / long / few_keys) of templates/pnca.cu, the padded head dim (40), the largest
 (256), a bool and an additive mask, and ragged lengths, so every code path of the template runs once; then the
 projection plan's stage mode (folded Q in, o and its ones column out) once per role.
 """
@@ -23,6 +23,8 @@ CASES = [  # (role, dtype, B, Lq, Lk, H, d, mask)
     ("base", torch.float16, 1, 33, 19, 2, 256, None),
     ("long", torch.bfloat16, 1, 130, 300, 2, 64, "bool"),
     ("long", torch.bfloat16, 1, 129, 100, 2, 128, None),
+    ("few_keys", torch.bfloat16, 2, 140, 77, 3, 64, "add"),
+    ("few_keys", torch.float16, 1, 20, 80, 2, 40, None),
 ]
 
 
@@ -44,10 +46,10 @@ def main() -> int:
         y = fusednorm.fused_pre_norm_cross_attn(x, k, v, g, b, 1e-5, mask=mask)
         torch.cuda.synchronize()
         assert launch.launch_count == before + 1
-        print(f"{role:5s} {str(dtype):15s} B={B} Lq={Lq} Lk={Lk} H={H} d={d} mask={mask_kind}: "
+        print(f"{role:8s} {str(dtype):15s} B={B} Lq={Lq} Lk={Lk} H={H} d={d} mask={mask_kind}: "
               f"finite={bool(torch.isfinite(y).all())}")
     for role, B, Lq, Lk, H, d in (("short", 2, 1, 150, 2, 64), ("base", 2, 70, 77, 2, 40),
-                                  ("long", 1, 130, 300, 2, 64)):
+                                  ("long", 1, 130, 300, 2, 64), ("few_keys", 2, 100, 77, 2, 64)):
         select.force_role = role
         D = H * d
         r = lambda *s: torch.randn(*s, device="cuda", dtype=torch.bfloat16)  # noqa: E731
@@ -57,7 +59,7 @@ def main() -> int:
                                                     r(D, D) / D**0.5, r(D), None, "layer", 1e-5)
         torch.cuda.synchronize()
         assert launch.launch_count == before + 1
-        print(f"plan {role:5s} B={B} Lq={Lq} Lk={Lk} H={H} d={d}: finite={bool(torch.isfinite(y).all())}")
+        print(f"plan {role:8s} B={B} Lq={Lq} Lk={Lk} H={H} d={d}: finite={bool(torch.isfinite(y).all())}")
     select.force_role = None
     return 0
 

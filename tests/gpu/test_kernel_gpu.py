@@ -156,8 +156,13 @@ def test_every_odd_length_pair(dtype):
 def test_each_tile_role_on_every_head_dim(role, monkeypatch):
     monkeypatch.setattr(select, "force_role", role)
     gen = torch.Generator(device=DEV).manual_seed(int.from_bytes(os.urandom(4), "little"))
+    Lk = 300 if role != "few_keys" else 77  # few_keys takes at most 80 keys (more fall back to base)
     for d in HEAD_DIMS:
-        check_case(torch.bfloat16, 2, 77, 300, 2, d, "layer_affine", "none", gen)
+        for mask in ("none", "add"):
+            check_case(torch.bfloat16, 2, 77, Lk, 2, d, "layer_affine", mask, gen)
+    if role == "few_keys":  # every key count up to the stage, including a full one (no edge n-tile)
+        for Lk in (1, 15, 16, 17, 64, 79, 80):
+            check_case(torch.float16, 3, 130, Lk, 3, 64, "rms", "bool", gen)
 
 
 def test_model_shapes_and_custom_scale():

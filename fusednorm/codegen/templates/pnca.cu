@@ -6,11 +6,15 @@
 // A CTA works through work items (batch b, a block of BLOCK_M query rows, a group of heads), dealt round-robin over
 // a persistent grid, so the result never depends on the grid size. The CTA's whole share is one flat sequence of
 // steps (item, head, key tile), and a cp.async pipeline STAGES deep runs ahead along it, across heads and items:
-// each stage brings one K and one V tile, and a head's first stage also brings that head's slice of x.
-// Per item, each warp computes its rows' statistics over the full model dim (fp32, Welford, so |mean| >> std does
-// not cancel). Per head: Q = norm(x slice) rounded to the element type (as eager rounds the norm's output), then
-// FlashAttention-2 style attention over every key (mma.sync m16n8k16, online softmax in exp2 with the scale folded
-// in), then y = x + o for that head's columns, rounded once, staged in the x slice for 16-byte stores.
+// each stage brings one K and one V tile, and a head's first stage also brings that head's slice of x and its
+// norm parameters. Per item, each warp computes its rows' statistics over the full model dim (fp32, Welford, so
+// |mean| >> std does not cancel). Per head: Q = norm(x slice) times the softmax scale in log2 units, rounded to the
+// element type once (as eager rounds the norm's output; the scale rides along where that cannot overflow, see
+// Params), then FlashAttention-2 style attention over every key (mma.sync m16n8k16, online softmax in exp2), then
+// y = x + o for that head's columns, rounded once, staged in the x slice for 16-byte stores.
+// With ONE_TILE (the run-time choice makes it so only when Lk <= BLOCK_N) a head is one step: its accumulators
+// live within the step, so none of them is carried around the loop (fewer registers, more warps per SM), and the
+// online-softmax rescale disappears.
 // Each warp owns 16 * M_TILES query rows. With KEY_SPLIT > 1 (few query rows, e.g. decode) the warps share the
 // same 16 rows and split each K/V stage between them; their partial softmax states are merged in a fixed order.
 // Needs the configuration constants rendered ahead of this file (see fusednorm/codegen/render.py).
@@ -34,9 +38,11 @@ struct Params {
   int batch, q_len, kv_len, heads, model_dim;
   int heads_per_item, head_groups, row_blocks, items;
   int ones_col;                // WRITE_O: also write [1, 0 x 7] at column H * d of every row
-  float eps, scale_log2;
+  float eps;
+  float q_scale;      // multiplies Q before rounding: the softmax scale in log2 units, when in [1/64, 1], else 1
+  float score_scale;  // the rest of the scale, applied to the scores (1 for every usual scale: then skipped)
 };
-static_assert(sizeof(Params) == 224, "Params must match the packing in fusednorm/codegen/launch.py");
+static_assert(sizeof(Params) == 232, "Params must match the packing in fusednorm/codegen/launch.py");
 
 constexpr int THREADS = WARPS * 32;
 constexpr int HEAD_DIM_PAD = (HEAD_DIM + 15) / 16 * 16;  // QK^T runs in k-steps of 16; d = 40 pads with zeros
@@ -50,13 +56,20 @@ constexpr int QK_KSTEPS = HEAD_DIM_PAD / 16;
 constexpr int S_NTILES = BLOCK_N / 8;
 constexpr int O_NTILES = HEAD_DIM / 8;
 constexpr int PV_KSTEPS = BLOCK_N / 16;
-constexpr int STAT_ROWS = 4;  // rows whose loads are in flight together in the statistics pass
+constexpr int STAT_ROWS = 4;    // rows whose loads are in flight together in the statistics pass,
+constexpr int STAT_CHUNKS = 2;  // with this many 16-byte chunks of each per lane (more would spill)
 static_assert(KEY_SPLIT == 1 || (KEY_SPLIT == WARPS && M_TILES == 1), "key split shares one m-tile");
+static_assert(!ONE_TILE || KEY_SPLIT == 1, "one tile per head: every warp sees all keys");
 static_assert(BLOCK_N % 16 == 0 && HEAD_DIM % 8 == 0 && ROWS_PER_WARP % STAT_ROWS == 0, "tile shape");
 
-// Shared memory, in bytes: K stages, V stages, (Q_IN_SMEM only) one Q tile per warp, STAGES x-slice slots (a head's x slice lives
-// from its first stage to its epilogue, which also stages y there), per-row statistics, and (key split only) the
-// partial softmax states to merge.
+// Shared memory, in bytes: K stages, V stages, (Q_IN_SMEM only) one Q tile per warp, STAGES x-slice slots (a
+// head's x slice lives from its first stage to its epilogue, which also stages y there), per-row statistics, (key
+// split only) the partial softmax states to merge, and STAGES slots for a head's norm parameters (gamma and beta,
+// or u and b').
+constexpr bool AFFINE_WIDE = Q_FROM_QRAW || AFFINE_IS_F32;  // fp32 parameters, else two 16-bit ones per register
+constexpr bool HAS_SCALE_VEC = Q_FROM_QRAW ? !NORM_IS_RMS : HAS_GAMMA;  // gamma, or u
+constexpr bool HAS_SHIFT_VEC = Q_FROM_QRAW || HAS_BETA;                 // beta, or b'
+constexpr int AFFINE_SLOT_BYTES = (HAS_SCALE_VEC || HAS_SHIFT_VEC) ? 2 * HEAD_DIM * (AFFINE_WIDE ? 4 : 2) : 0;
 constexpr int KV_TILE_ELEMS = KV_ROWS * ROW_STRIDE;
 constexpr int Q_TILE_ELEMS = ROWS_PER_WARP * ROW_STRIDE;
 constexpr int X_TILE_ELEMS = BLOCK_M * ROW_STRIDE;
@@ -67,7 +80,10 @@ constexpr int OFF_X = OFF_Q + (Q_IN_SMEM ? WARPS * Q_TILE_ELEMS * 2 : 0);
 constexpr int OFF_STATS = OFF_X + STAGES * X_TILE_ELEMS * 2;
 constexpr int OFF_COMBINE = OFF_STATS + WARPS * ROWS_PER_WARP * 2 * 4;
 constexpr int COMBINE_BYTES = KEY_SPLIT > 1 ? WARPS * 16 * (HEAD_DIM + 2) * 4 : 0;
-static_assert(OFF_COMBINE + COMBINE_BYTES <= SMEM_BYTES, "launch.py's shared-memory size is too small");
+constexpr int OFF_AFFINE = OFF_COMBINE + COMBINE_BYTES;
+static_assert(OFF_AFFINE + STAGES * AFFINE_SLOT_BYTES <= SMEM_BYTES, "launch.py's shared-memory size is too small");
+
+extern __shared__ __align__(16) u8 smem[];  // carved up as above; named here so that helpers address it directly
 
 // ---- small vector helpers ----
 
@@ -123,17 +139,17 @@ FN_INLINE void row_statistics(const Params& p, const u16* x_batch, int row0, flo
 #pragma unroll
     for (int j = 0; j < STAT_ROWS; ++j) { n[j] = 0.f; mu[j] = 0.f; m2[j] = 0.f; }
 #pragma unroll 1
-    for (int c0 = lane * 8; c0 < D; c0 += 2 * 256) {
-      u32x4 v[2][STAT_ROWS];
+    for (int c0 = lane * 8; c0 < D; c0 += STAT_CHUNKS * 256) {
+      u32x4 v[STAT_CHUNKS][STAT_ROWS];
 #pragma unroll
-      for (int u = 0; u < 2; ++u)
+      for (int u = 0; u < STAT_CHUNKS; ++u)
 #pragma unroll
-        for (int j = 0; j < STAT_ROWS; ++j) {  // all loads first: 2 * STAT_ROWS 16-byte loads in flight
+        for (int j = 0; j < STAT_ROWS; ++j) {  // all loads first: the DRAM latency is paid once per pass
           const int q = row0 + r0 + j, c = c0 + u * 256;
           v[u][j] = q < p.q_len && c < D ? ld_global16(x_batch + (long long)q * D + c) : u32x4{0u, 0u, 0u, 0u};
         }
 #pragma unroll
-      for (int u = 0; u < 2; ++u)
+      for (int u = 0; u < STAT_CHUNKS; ++u)
 #pragma unroll
       for (int j = 0; j < STAT_ROWS; ++j) {
         if (c0 + u * 256 >= D) continue;
@@ -178,78 +194,120 @@ FN_INLINE void row_statistics(const Params& p, const u16* x_batch, int row0, flo
 
 // ---- 2. the Q fragments of one head: norm(x slice), rounded to the element type (one warp, its own rows) ----
 
-// Two norm parameters (gamma or beta) at column col, as fp32.
-FN_INLINE float2 load_affine2(const void* ptr, int col) {
-  if constexpr (AFFINE_IS_F32) return *reinterpret_cast<const float2*>(static_cast<const float*>(ptr) + col);
-  const u32 pair = *reinterpret_cast<const u32*>(static_cast<const u16*>(ptr) + col);
-  return make_float2(lo_to_f32(pair), hi_to_f32(pair));
-}
-
 // The A fragments of QK^T come straight from the x slice (ldmatrix), and the norm is applied in registers:
 // register e of (m-tile mt, k-step kk) holds rows mt*16 + g + 8*(e&1), columns kk*16 + t2 + 8*(e>>1) + {0, 1}.
-// No Q tile is built in shared memory, unless Q_IN_SMEM (fragments too many to keep): then they are stored there.
 // Rows past Lq and the pad columns of d = 40 come out as 0.
 // With Q_FROM_QRAW the same registers are q = rstd * (qraw - mean * u) + b' = qraw * rstd + (shift * u + b'), read
-// from qraw (float32, q_rows: the warp's first row) instead of x; ga/be then hold u and b'.
-FN_INLINE void q_fragments(const Params& p, int row0, int col0, const float* mean_s, const float* rstd_s,
-                           const u16* x_tile, const float* q_rows, u16* q_tile,
-                           u32 (&qf)[Q_IN_SMEM ? 1 : M_TILES][Q_IN_SMEM ? 1 : QK_KSTEPS][4], int lane) {
-  const int g = lane >> 2, t2 = (lane & 3) * 2;
-  float rs[M_TILES][2], shift[M_TILES][2];  // h = (x * rs + shift) * gamma + beta, with shift = -mean * rs
-  bool live[M_TILES][2];
+// from qraw (float32) instead of x; ga/be then hold u and b'.
+// Either way Q is multiplied by q_scale before rounding (see Params).
+
+// A head's norm parameters come with its pipeline stage (see load_affine_slot) rather than from global memory
+// when Q is built: a global load there stalled every head's first k-step.
+template <bool WIDE> struct AffineTypes { using Pair = float2; using Elem = float; };
+template <> struct AffineTypes<false> { using Pair = u32; using Elem = u16; };  // two 16-bit values in one register
+using AffinePair = AffineTypes<AFFINE_WIDE>::Pair;
+using AffineElem = AffineTypes<AFFINE_WIDE>::Elem;
+
+FN_INLINE float2 affine_f32(const float2& v) { return v; }
+FN_INLINE float2 affine_f32(const u32& v) { return make_float2(lo_to_f32(v), hi_to_f32(v)); }
+
+// What the fragments of one head are made from: the warp's rows' statistics, and where the rows' x (or qraw) and
+// the head's norm parameters lie.
+struct QSource {
+  float rs[M_TILES][2], shift[M_TILES][2], rq[M_TILES][2];  // h = (x * rs + shift) * gamma + beta; rq = rs * q_scale
+  bool live[M_TILES][2];                                     // row < Lq
+  const u16* x_tile;                                         // the warp's rows of the head's x slice
+  const float* q_rows;                                       // Q_FROM_QRAW: the warp's first row of qraw
+  int affine_slot;                                           // the head's slot of norm parameters
+  int col0;                                                  // the head's first column
+};
+
+FN_INLINE QSource q_source(const Params& p, int row0, int col0, const float* mean_s, const float* rstd_s,
+                           const u16* x_tile, const float* q_rows, int affine_slot, int lane) {
+  QSource src;
+  const int g = lane >> 2;
 #pragma unroll
   for (int mt = 0; mt < M_TILES; ++mt)
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
       const int r = mt * 16 + g + 8 * i;
-      live[mt][i] = row0 + r < p.q_len;
-      rs[mt][i] = rstd_s[r];
-      shift[mt][i] = -mean_s[r] * rs[mt][i];
+      src.live[mt][i] = row0 + r < p.q_len;
+      src.rs[mt][i] = rstd_s[r];
+      src.shift[mt][i] = -mean_s[r] * src.rs[mt][i];
+      src.rq[mt][i] = src.rs[mt][i] * p.q_scale;
     }
+  src.x_tile = x_tile;
+  src.q_rows = q_rows;
+  src.affine_slot = affine_slot;
+  src.col0 = col0;
+  return src;
+}
+
+// The fragments of k-step kk, for every m-tile of the warp.
+FN_INLINE void q_kstep(const Params& p, const QSource& src, int kk, u32 (&a)[M_TILES][4], int lane) {
+  const int g = lane >> 2, t2 = (lane & 3) * 2;
+  float2 ga[2], be[2];  // this thread's columns of the k-step, per half (u and b' with Q_FROM_QRAW), times q_scale
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int c = kk * 16 + t2 + h * 8;
+    const bool real = HEAD_DIM % 16 == 0 || c < HEAD_DIM;  // pad columns (d = 40): q is zeroed anyway
+    const auto* slot = reinterpret_cast<const AffineElem*>(smem + OFF_AFFINE + src.affine_slot * AFFINE_SLOT_BYTES);
+    const auto* vec = reinterpret_cast<const AffinePair*>(slot + c);  // [scale vec | shift vec], d each
+    const auto* shift_vec = reinterpret_cast<const AffinePair*>(slot + HEAD_DIM + c);
+    // absent: gamma is 1; u (RMS: no mean), beta and b' are 0
+    ga[h] = HAS_SCALE_VEC && real ? affine_f32(*vec) : make_float2(Q_FROM_QRAW ? 0.f : 1.f, Q_FROM_QRAW ? 0.f : 1.f);
+    be[h] = HAS_SHIFT_VEC && real ? affine_f32(*shift_vec) : make_float2(0.f, 0.f);
+    ga[h].x *= p.q_scale; ga[h].y *= p.q_scale;  // q * s = (x * rs + shift) * (gamma * s) + beta * s
+    be[h].x *= p.q_scale; be[h].y *= p.q_scale;
+  }
+#pragma unroll
+  for (int mt = 0; mt < M_TILES; ++mt) {
+    u32 xa[4];
+    if constexpr (!Q_FROM_QRAW)
+      ldmatrix_x4(xa, smem_addr(src.x_tile + (mt * 16 + (lane & 15)) * ROW_STRIDE + kk * 16 + (lane >> 4) * 8));
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int i = e & 1, h = e >> 1;
+      const bool pad = HEAD_DIM % 16 != 0 && kk * 16 + h * 8 >= HEAD_DIM;  // compile-time
+      float lo, hi;
+      if constexpr (Q_FROM_QRAW) {
+        float2 qr = make_float2(0.f, 0.f);
+        if (src.live[mt][i] && !pad)
+          qr = *reinterpret_cast<const float2*>(src.q_rows + (long long)(mt * 16 + g + 8 * i) * p.q_ld + src.col0 +
+                                                kk * 16 + t2 + 8 * h);
+        lo = fmaf(qr.x, src.rq[mt][i], fmaf(src.shift[mt][i], ga[h].x, be[h].x));
+        hi = fmaf(qr.y, src.rq[mt][i], fmaf(src.shift[mt][i], ga[h].y, be[h].y));
+      } else {
+        lo = fmaf(fmaf(lo_to_f32(xa[e]), src.rs[mt][i], src.shift[mt][i]), ga[h].x, be[h].x);
+        hi = fmaf(fmaf(hi_to_f32(xa[e]), src.rs[mt][i], src.shift[mt][i]), ga[h].y, be[h].y);
+      }
+      a[mt][e] = src.live[mt][i] && !pad ? pack2_elem(lo, hi) : 0u;
+    }
+  }
+}
+
+// A head's fragments, built once when its key tiles reuse them: kept in registers, or, when Q_IN_SMEM (too many to
+// keep), in a per-warp Q tile. With ONE_TILE nothing is built ahead: QK^T makes each k-step's fragments as it needs
+// them, so only one k-step's worth is ever live.
+FN_INLINE void q_fragments(const Params& p, const QSource& src, u16* q_tile,
+                           u32 (&qf)[Q_IN_SMEM ? 1 : M_TILES][Q_IN_SMEM ? 1 : QK_KSTEPS][4], int lane) {
+  if constexpr (ONE_TILE) return;
+  const int g = lane >> 2, t2 = (lane & 3) * 2;
 #pragma unroll(Q_IN_SMEM ? 1 : QK_KSTEPS)  // fragments bound for shared memory need not all be live at once
   for (int kk = 0; kk < QK_KSTEPS; ++kk) {
-    float2 ga[2], be[2];  // this thread's columns of the k-step, per half (u and b' with Q_FROM_QRAW)
+    u32 a[M_TILES][4];
+    q_kstep(p, src, kk, a, lane);
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int c = kk * 16 + t2 + h * 8;
-      const bool real = HEAD_DIM % 16 == 0 || c < HEAD_DIM;
-      if constexpr (Q_FROM_QRAW) {
-        ga[h] = !NORM_IS_RMS && real ? *reinterpret_cast<const float2*>(p.q_u + col0 + c) : make_float2(0.f, 0.f);
-        be[h] = real ? *reinterpret_cast<const float2*>(p.q_b + col0 + c) : make_float2(0.f, 0.f);
-      } else {
-        ga[h] = HAS_GAMMA && real ? load_affine2(p.gamma, col0 + c) : make_float2(1.f, 1.f);
-        be[h] = HAS_BETA && real ? load_affine2(p.beta, col0 + c) : make_float2(0.f, 0.f);
-      }
-    }
-#pragma unroll
-    for (int mt = 0; mt < M_TILES; ++mt) {
-      u32 a[4];
-      if constexpr (!Q_FROM_QRAW)
-        ldmatrix_x4(a, smem_addr(x_tile + (mt * 16 + (lane & 15)) * ROW_STRIDE + kk * 16 + (lane >> 4) * 8));
+    for (int mt = 0; mt < M_TILES; ++mt)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const int i = e & 1, h = e >> 1;
-        const bool pad = HEAD_DIM % 16 != 0 && kk * 16 + h * 8 >= HEAD_DIM;  // compile-time
-        float lo, hi;
-        if constexpr (Q_FROM_QRAW) {
-          float2 qr = make_float2(0.f, 0.f);
-          if (live[mt][i] && !pad)
-            qr = *reinterpret_cast<const float2*>(q_rows + (long long)(mt * 16 + g + 8 * i) * p.q_ld + col0 + kk * 16 +
-                                                  t2 + 8 * h);
-          lo = fmaf(qr.x, rs[mt][i], fmaf(shift[mt][i], ga[h].x, be[h].x));
-          hi = fmaf(qr.y, rs[mt][i], fmaf(shift[mt][i], ga[h].y, be[h].y));
-        } else {
-          lo = fmaf(fmaf(lo_to_f32(a[e]), rs[mt][i], shift[mt][i]), ga[h].x, be[h].x);
-          hi = fmaf(fmaf(hi_to_f32(a[e]), rs[mt][i], shift[mt][i]), ga[h].y, be[h].y);
-        }
-        const u32 q = live[mt][i] && !pad ? pack2_elem(lo, hi) : 0u;
         if constexpr (Q_IN_SMEM) {
-          *reinterpret_cast<u32*>(q_tile + (mt * 16 + g + 8 * i) * ROW_STRIDE + kk * 16 + t2 + 8 * h) = q;
+          *reinterpret_cast<u32*>(q_tile + (mt * 16 + g + 8 * (e & 1)) * ROW_STRIDE + kk * 16 + t2 + 8 * (e >> 1)) =
+              a[mt][e];
         } else {
-          qf[mt][kk][e] = q;
+          qf[mt][kk][e] = a[mt][e];
         }
       }
-    }
   }
   if constexpr (Q_IN_SMEM) __syncwarp();
 }
@@ -286,6 +344,23 @@ FN_INLINE void load_kv_tile(const Params& p, int b, int head, int key_base, u16*
   }
 }
 
+// The head's norm parameters into its slot: [gamma | beta] (or [u | b'] with Q_FROM_QRAW), d values each, as
+// stored (fp32, or x's type). Slices start at head * d, a multiple of 16 bytes (d is a multiple of 8).
+FN_INLINE void load_affine_slot(const Params& p, int head, u8* slot, int tid) {
+  if constexpr (AFFINE_SLOT_BYTES == 0) return;
+  constexpr int VEC_BYTES = AFFINE_SLOT_BYTES / 2, VEC_CHUNKS = VEC_BYTES / 16;
+#pragma unroll
+  for (int i0 = 0; i0 < 2 * VEC_CHUNKS; i0 += THREADS) {
+    const int i = i0 + tid;
+    if ((2 * VEC_CHUNKS) % THREADS != 0 && i >= 2 * VEC_CHUNKS) break;
+    const bool second = i >= VEC_CHUNKS;
+    const void* vec = !second ? (Q_FROM_QRAW ? static_cast<const void*>(p.q_u) : p.gamma)
+                              : (Q_FROM_QRAW ? static_cast<const void*>(p.q_b) : p.beta);
+    if (vec != nullptr)  // absent (RMS without gamma or u, LayerNorm without beta): never read
+      cp_async16(smem_addr(slot + i * 16), static_cast<const u8*>(vec) + head * VEC_BYTES + (i % VEC_CHUNKS) * 16, 16);
+  }
+}
+
 // The head's x slice for the CTA's BLOCK_M rows (rows past Lq are left alone: nothing reads them).
 FN_INLINE void load_x_tile(const Params& p, int b, int row_base, int col0, u16* x_tile, int tid) {
   const int r0 = tid / CHUNKS, c = (tid % CHUNKS) * 8;
@@ -307,10 +382,12 @@ FN_INLINE void load_x_tile(const Params& p, int b, int row_base, int col0, u16* 
 // k_tile / v_tile point at this warp's first key row in the stage; key0 is that key's index, valid (> 0) the
 // number of real keys from there (at most BLOCK_N); qrow0 the warp's first query row.
 // FULL: all BLOCK_N keys are real (every tile but the last); no per-n-tile guards, so the mma chain is straight.
+// first: the head's first tile, whose o, m, l are still 0, -inf, 0 (nothing to rescale).
 template <bool FULL>
-FN_INLINE void attend_tile(const Params& p, const u32 (&qf)[Q_IN_SMEM ? 1 : M_TILES][Q_IN_SMEM ? 1 : QK_KSTEPS][4],
-                           const u16* q_tile, const u16* k_tile, const u16* v_tile, int key0, int valid, int qrow0,
-                           long long mask_bh, float (&o)[M_TILES][O_NTILES][4], float (&m)[M_TILES][2],
+FN_INLINE void attend_tile(const Params& p, const QSource& src,
+                           const u32 (&qf)[Q_IN_SMEM ? 1 : M_TILES][Q_IN_SMEM ? 1 : QK_KSTEPS][4], const u16* q_tile,
+                           const u16* k_tile, const u16* v_tile, int key0, int valid, int qrow0, long long mask_bh,
+                           bool first, float (&o)[M_TILES][O_NTILES][4], float (&m)[M_TILES][2],
                            float (&l)[M_TILES][2], int lane) {
   const int g = lane >> 2, t2 = (lane & 3) * 2;
 
@@ -326,8 +403,9 @@ FN_INLINE void attend_tile(const Params& p, const u32 (&qf)[Q_IN_SMEM ? 1 : M_TI
 #pragma unroll
   for (int kk = 0; kk < QK_KSTEPS; ++kk) {
     u32 a[M_TILES][4];
+    if constexpr (ONE_TILE) q_kstep(p, src, kk, a, lane);
 #pragma unroll
-    for (int mt = 0; mt < M_TILES; ++mt) {
+    for (int mt = 0; mt < M_TILES && !ONE_TILE; ++mt) {
       if constexpr (Q_IN_SMEM) {
         ldmatrix_x4(a[mt], smem_addr(q_tile + (mt * 16 + (lane & 15)) * ROW_STRIDE + kk * 16 + (lane >> 4) * 8));
       } else {
@@ -350,37 +428,51 @@ FN_INLINE void attend_tile(const Params& p, const u32 (&qf)[Q_IN_SMEM ? 1 : M_TI
     }
   }
 
-  // Scale into log2 units, add the mask, drop keys past Lk.
-  const u8* mask_rows[M_TILES][2];  // null for query rows past Lq
-  if constexpr (MASK_KIND != 0) {
+  // The scores are in log2 units already (the scale went into Q). What is left: the rest of the scale when not all
+  // of it could go into Q (never for 1/sqrt(d)), the mask, and keys past Lk, which only the edge n-tiles hold.
+  if (MASK_KIND != 0 || p.score_scale != 1.f) {
+    const u8* mask_rows[M_TILES][2];  // null for query rows past Lq
+    if constexpr (MASK_KIND != 0) {
+#pragma unroll
+      for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int q = qrow0 + mt * 16 + g + half * 8;
+          mask_rows[mt][half] = q < p.q_len ? static_cast<const u8*>(p.mask) +
+                                                  (mask_bh + q * p.m_sq) * MASK_ELEM_BYTES : nullptr;
+        }
+    }
 #pragma unroll
     for (int mt = 0; mt < M_TILES; ++mt)
 #pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int q = qrow0 + mt * 16 + g + half * 8;
-        mask_rows[mt][half] = q < p.q_len ? static_cast<const u8*>(p.mask) + (mask_bh + q * p.m_sq) * MASK_ELEM_BYTES
-                                          : nullptr;
-      }
-  }
+      for (int nt = 0; nt < S_NTILES; ++nt)
 #pragma unroll
-  for (int mt = 0; mt < M_TILES; ++mt)
+        for (int e = 0; e < 4; ++e) {
+          if (!FULL && nt / 2 * 16 >= valid) continue;  // a key pair never computed: skipped here and by P V
+          float z = s[mt][nt][e] * p.score_scale;
+          const int key = nt * 8 + t2 + (e & 1);
+          if constexpr (MASK_KIND != 0) {
+            const u8* row = mask_rows[mt][e >> 1];
+            if (row != nullptr && key < valid) z += mask_term(row, key0 + key);
+          }
+          if (!FULL && key >= valid) z = neg_inf();
+          s[mt][nt][e] = z;
+        }
+  } else if (!FULL) {
 #pragma unroll
     for (int nt = 0; nt < S_NTILES; ++nt)
+      if (nt * 8 + 8 > valid && nt / 2 * 16 < valid)  // an edge n-tile: computed, holding keys past Lk
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        if (!FULL && nt / 2 * 16 >= valid) continue;  // a key pair never computed: skipped here and by P V
-        float z = s[mt][nt][e] * p.scale_log2;
-        const int key = key0 + nt * 8 + t2 + (e & 1);
-        if constexpr (MASK_KIND != 0) {
-          const u8* row = mask_rows[mt][e >> 1];
-          if (row != nullptr && key < p.kv_len) z += mask_term(row, key);
-        }
-        if (!FULL && key >= p.kv_len) z = neg_inf();
-        s[mt][nt][e] = z;
-      }
+        for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e)
+            if (nt * 8 + t2 + (e & 1) >= valid) s[mt][nt][e] = neg_inf();
+  }
 
   // Online softmax. Rows whose every key so far is masked keep m = -inf; they exponentiate against 0 so that
-  // p = 0 and l = 0 (never NaN), and the epilogue writes o = 0 for them.
+  // p = 0 and l = 0 (never NaN), and the epilogue writes o = 0 for them. P goes out packed as the A fragments of
+  // P V: pk[mt][nt][half] holds rows g + 8 * half, keys nt * 8 + t2 + {0, 1}.
+  u32 pk[M_TILES][S_NTILES][2];
 #pragma unroll
   for (int mt = 0; mt < M_TILES; ++mt)
 #pragma unroll
@@ -391,38 +483,37 @@ FN_INLINE void attend_tile(const Params& p, const u32 (&qf)[Q_IN_SMEM ? 1 : M_TI
         if (FULL || nt / 2 * 16 < valid) mx = fmaxf(mx, fmaxf(s[mt][nt][2 * half], s[mt][nt][2 * half + 1]));
       mx = fmaxf(mx, __shfl_xor_sync(FULL_WARP, mx, 1));
       mx = fmaxf(mx, __shfl_xor_sync(FULL_WARP, mx, 2));
-      const float m_new = fmaxf(m[mt][half], mx);
+      const float m_new = first ? mx : fmaxf(m[mt][half], mx);
       const float m_use = m_new == neg_inf() ? 0.f : m_new;
-      const float alpha = fast_exp2(m[mt][half] - m_use);
+      const float alpha = first ? 0.f : fast_exp2(m[mt][half] - m_use);
       m[mt][half] = m_new;
       float sum = 0.f;
 #pragma unroll
-      for (int nt = 0; nt < S_NTILES; ++nt)
+      for (int nt = 0; nt < S_NTILES; ++nt) {
+        if (!FULL && nt / 2 * 16 >= valid) continue;
+        const float e0 = fast_exp2(s[mt][nt][2 * half] - m_use), e1 = fast_exp2(s[mt][nt][2 * half + 1] - m_use);
+        sum += e0 + e1;
+        pk[mt][nt][half] = pack2_elem(e0, e1);  // packed at once: the fp32 scores die here, not after P V
+      }
+      l[mt][half] = first ? sum : l[mt][half] * alpha + sum;  // per-thread partial; summed over the quad later
 #pragma unroll
-        for (int e = 2 * half; e < 2 * half + 2; ++e) {
-          if (!FULL && nt / 2 * 16 >= valid) continue;
-          s[mt][nt][e] = fast_exp2(s[mt][nt][e] - m_use);
-          sum += s[mt][nt][e];
-        }
-      l[mt][half] = l[mt][half] * alpha + sum;  // per-thread partial; summed over the quad in the epilogue
-#pragma unroll
-      for (int nt = 0; nt < O_NTILES; ++nt) {
-        o[mt][nt][2 * half] *= alpha;
-        o[mt][nt][2 * half + 1] *= alpha;
+      for (int nt = 0; nt < O_NTILES; ++nt) {  // o starts here on a head's first tile: not live during QK^T
+        o[mt][nt][2 * half] = first ? 0.f : o[mt][nt][2 * half] * alpha;
+        o[mt][nt][2 * half + 1] = first ? 0.f : o[mt][nt][2 * half + 1] * alpha;
       }
     }
 
-  // O += P V: the S accumulators are already laid out as the A fragments of the next mma.
+  // O += P V.
 #pragma unroll
   for (int ks = 0; ks < PV_KSTEPS; ++ks) {
     if (FULL || ks * 16 < valid) {
       u32 a[M_TILES][4];
 #pragma unroll
       for (int mt = 0; mt < M_TILES; ++mt) {
-        a[mt][0] = pack2_elem(s[mt][2 * ks][0], s[mt][2 * ks][1]);
-        a[mt][1] = pack2_elem(s[mt][2 * ks][2], s[mt][2 * ks][3]);
-        a[mt][2] = pack2_elem(s[mt][2 * ks + 1][0], s[mt][2 * ks + 1][1]);
-        a[mt][3] = pack2_elem(s[mt][2 * ks + 1][2], s[mt][2 * ks + 1][3]);
+        a[mt][0] = pk[mt][2 * ks][0];
+        a[mt][1] = pk[mt][2 * ks][1];
+        a[mt][2] = pk[mt][2 * ks + 1][0];
+        a[mt][3] = pk[mt][2 * ks + 1][1];
       }
       const u16* v_rows = v_tile + (ks * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * ROW_STRIDE;
 #pragma unroll
@@ -559,8 +650,9 @@ FN_INLINE void combine_and_store(const Params& p, const u16* x_tile, u16* y_batc
 
 // Position in the CTA's flat sequence of steps (item, head, key tile). Uniform across the CTA.
 struct StepCursor {
-  int item, b, row_block, head_begin, head, head_end, tile;
-  int head_seq;  // heads entered so far by this CTA: picks the x-slice slot
+  int item, b, row_block, head, tile;
+  int head_in_item;  // 0 on an item's first head, whose step also computes the row statistics
+  int head_seq;      // heads entered so far by this CTA: picks the x-slice slot (ONE_TILE: the stage does)
 };
 
 FN_INLINE void cursor_enter_item(const Params& p, StepCursor& c) {
@@ -568,8 +660,8 @@ FN_INLINE void cursor_enter_item(const Params& p, StepCursor& c) {
   const int group = c.item % p.head_groups;
   c.row_block = (c.item / p.head_groups) % p.row_blocks;
   c.b = c.item / (p.head_groups * p.row_blocks);
-  c.head_begin = c.head = group * p.heads_per_item;
-  c.head_end = min(c.head + p.heads_per_item, p.heads);
+  c.head = group * p.heads_per_item;
+  c.head_in_item = 0;
   c.tile = 0;
 }
 
@@ -577,23 +669,27 @@ FN_INLINE void cursor_advance(const Params& p, StepCursor& c, int key_tiles) {
   if (++c.tile < key_tiles) return;
   c.tile = 0;
   ++c.head_seq;
-  if (++c.head < c.head_end) return;
+  if (++c.head_in_item < p.heads_per_item && ++c.head < p.heads) return;
   c.item += gridDim.x;
   cursor_enter_item(p, c);
 }
 
+// The x-slice slot of a head: its first step's stage when every head is one step, else heads taken in turn.
+FN_INLINE int x_slot(const StepCursor& c, int stage) { return ONE_TILE ? stage : c.head_seq % STAGES; }
+
 // Issue the copies of one step into a pipeline stage (and, on a head's first step, its x slice if needed).
 FN_INLINE void load_step(const Params& p, const StepCursor& c, int stage, u16* k_stages, u16* v_stages,
-                         u16* x_slots, int tid) {
+                         u16* x_slots, u8* affine_slots, int tid) {
   load_kv_tile(p, c.b, c.head, c.tile * KV_ROWS, k_stages + stage * KV_TILE_ELEMS, v_stages + stage * KV_TILE_ELEMS,
                tid);
-  if (NEEDS_X_SLICE && c.tile == 0)
-    load_x_tile(p, c.b, c.row_block * BLOCK_M, c.head * HEAD_DIM, x_slots + (c.head_seq % STAGES) * X_TILE_ELEMS,
-                tid);
+  if (c.tile == 0) {
+    if (NEEDS_X_SLICE)
+      load_x_tile(p, c.b, c.row_block * BLOCK_M, c.head * HEAD_DIM, x_slots + x_slot(c, stage) * X_TILE_ELEMS, tid);
+    load_affine_slot(p, c.head, affine_slots + x_slot(c, stage) * AFFINE_SLOT_BYTES, tid);
+  }
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS_PER_SM) KERNEL_NAME(const Params p) {
-  extern __shared__ __align__(16) u8 smem[];
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   u16* k_stages = reinterpret_cast<u16*>(smem + OFF_K);
   u16* v_stages = reinterpret_cast<u16*>(smem + OFF_V);
@@ -602,6 +698,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS_PER_SM) KERNEL_NA
   float* row_mean = reinterpret_cast<float*>(smem + OFF_STATS) + warp * 2 * ROWS_PER_WARP;
   float* row_rstd = row_mean + ROWS_PER_WARP;
   float* combine = reinterpret_cast<float*>(smem + OFF_COMBINE);
+  u8* affine_slots = smem + OFF_AFFINE;
 
   if constexpr (HEAD_DIM_PAD > HEAD_DIM) {  // pad columns of every K/V row are read by the last k-step: zero them
     constexpr int PAD = HEAD_DIM_PAD - HEAD_DIM;
@@ -610,19 +707,19 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS_PER_SM) KERNEL_NA
     for (int i = tid; i < ROWS * PAD; i += THREADS) rows[(i / PAD) * ROW_STRIDE + HEAD_DIM + i % PAD] = 0;
   }
 
-  const int key_tiles = (p.kv_len + KV_ROWS - 1) / KV_ROWS;
+  const int key_tiles = ONE_TILE ? 1 : (p.kv_len + KV_ROWS - 1) / KV_ROWS;
   bool bad = false;
 
   // Prologue: the first STAGES - 1 steps in flight.
-  StepCursor ahead;
-  ahead.item = blockIdx.x;
-  ahead.head_seq = 0;
-  cursor_enter_item(p, ahead);
-  StepCursor cur = ahead;
+  StepCursor cur;
+  cur.item = blockIdx.x;
+  cur.head_seq = 0;
+  cursor_enter_item(p, cur);
+  StepCursor ahead = cur;
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) {
     if (ahead.item < p.items) {
-      load_step(p, ahead, s, k_stages, v_stages, x_slots, tid);
+      load_step(p, ahead, s, k_stages, v_stages, x_slots, affine_slots, tid);
       cursor_advance(p, ahead, key_tiles);
     }
     cp_async_commit();
@@ -637,11 +734,13 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS_PER_SM) KERNEL_NA
     const int row0 = cur.row_block * BLOCK_M + (KEY_SPLIT > 1 ? 0 : warp * ROWS_PER_WARP);
     const bool warp_rows = row0 < p.q_len;  // false for warps entirely past the last query row
     u16* y_batch = p.y + (long long)cur.b * p.q_len * p.y_ld;
-    if (cur.tile == 0) {  // a new head (the accumulators of the last one are dead here, which saves registers)
-      if (cur.head == cur.head_begin && warp_rows)  // a new item: statistics of this warp's rows
+    const bool head_first = ONE_TILE || cur.tile == 0;  // compile-time true with ONE_TILE: nothing is carried
+    const bool head_last = ONE_TILE || cur.tile == key_tiles - 1;
+    if (head_first) {  // a new head (the accumulators of the last one are dead here, which saves registers)
+      if (cur.head_in_item == 0 && warp_rows)  // a new item: statistics of this warp's rows
         row_statistics(p, p.x + (long long)cur.b * p.q_len * p.model_dim, row0, row_mean, row_rstd, lane);
 #pragma unroll
-      for (int mt = 0; mt < M_TILES; ++mt) {
+      for (int mt = 0; mt < M_TILES && !ONE_TILE; ++mt) {  // ONE_TILE: attend_tile starts them (Lk >= 1)
 #pragma unroll
         for (int nt = 0; nt < O_NTILES; ++nt)
 #pragma unroll
@@ -651,20 +750,27 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS_PER_SM) KERNEL_NA
       }
     }
 
+    u16* x_tile = x_slots + x_slot(cur, stage) * X_TILE_ELEMS;
+    u16* x_warp = x_tile + (KEY_SPLIT > 1 ? 0 : warp * ROWS_PER_WARP * ROW_STRIDE);
+    const int col0 = cur.head * HEAD_DIM;
+
     cp_async_wait<STAGES - 2>();
     __syncthreads();  // this step's stage is visible to all warps; the stage refilled below is free
+    if constexpr (ONE_TILE) {  // the step STAGES - 1 ahead, worked out again rather than carried (registers)
+      ahead = cur;
+#pragma unroll
+      for (int s = 0; s < STAGES - 1; ++s) cursor_advance(p, ahead, key_tiles);
+    }
     if (ahead.item < p.items) {
-      load_step(p, ahead, stage == 0 ? STAGES - 1 : stage - 1, k_stages, v_stages, x_slots, tid);
-      cursor_advance(p, ahead, key_tiles);
+      load_step(p, ahead, stage == 0 ? STAGES - 1 : stage - 1, k_stages, v_stages, x_slots, affine_slots, tid);
+      if constexpr (!ONE_TILE) cursor_advance(p, ahead, key_tiles);
     }
     cp_async_commit();
 
-    u16* x_tile = x_slots + (cur.head_seq % STAGES) * X_TILE_ELEMS;
-    u16* x_warp = x_tile + (KEY_SPLIT > 1 ? 0 : warp * ROWS_PER_WARP * ROW_STRIDE);
-    const int col0 = cur.head * HEAD_DIM;
-    if (cur.tile == 0 && warp_rows)
-      q_fragments(p, row0, col0, row_mean, row_rstd, x_warp, p.qraw + ((long long)cur.b * p.q_len + row0) * p.q_ld,
-                  q_tile, qf, lane);
+    const QSource src = q_source(p, row0, col0, row_mean, row_rstd, x_warp,
+                                 p.qraw + ((long long)cur.b * p.q_len + row0) * p.q_ld,
+                                 x_slot(cur, stage), lane);
+    if (head_first && warp_rows) q_fragments(p, src, q_tile, qf, lane);
 
     const int warp_key_offset = KEY_SPLIT > 1 ? warp * BLOCK_N : 0;
     const int key0 = cur.tile * KV_ROWS + warp_key_offset;
@@ -674,12 +780,12 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS_PER_SM) KERNEL_NA
       const u16* k_tile = k_stages + stage * KV_TILE_ELEMS + warp_key_offset * ROW_STRIDE;
       const u16* v_tile = v_stages + stage * KV_TILE_ELEMS + warp_key_offset * ROW_STRIDE;
       if (valid == BLOCK_N)
-        attend_tile<true>(p, qf, q_tile, k_tile, v_tile, key0, valid, row0, mask_bh, o, m, l, lane);
+        attend_tile<true>(p, src, qf, q_tile, k_tile, v_tile, key0, valid, row0, mask_bh, head_first, o, m, l, lane);
       else
-        attend_tile<false>(p, qf, q_tile, k_tile, v_tile, key0, valid, row0, mask_bh, o, m, l, lane);
+        attend_tile<false>(p, src, qf, q_tile, k_tile, v_tile, key0, valid, row0, mask_bh, head_first, o, m, l, lane);
     }
 
-    if (cur.tile == key_tiles - 1) {
+    if (head_last) {
       if constexpr (KEY_SPLIT > 1) {
         combine_and_store(p, x_tile, y_batch, row0, col0, o, m, l, combine, warp, lane, tid, bad);
       } else if (warp_rows) {
