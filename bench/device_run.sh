@@ -2,7 +2,8 @@
 # One call on a GPU machine checks and times everything, in order of importance (each step time-boxed):
 #   gpu: GPU tests; bench: the block benchmark (noproj form); benchproj: the same for the proj form (Wq/Wo);
 #   cpu: the CPU suite under that machine's torch; models: whole models (Whisper, T5, SD-1.5 UNet, torch decoder;
-#   one whose library is missing is skipped). benchproj runs only when STEPS names it.
+#   one whose library is missing is skipped); ncu: the seed shape under Nsight Compute, with the per-instruction
+#   summary of bench/sass_profile.py. benchproj, sweep, sanitize and ncu run only when STEPS names them.
 #   OUT=<dir> [STEPS="gpu bench cpu models"] bash bench/device_run.sh   (wheels under .whl/ are installed first)
 set -u
 OUT=${OUT:-bench/out}
@@ -24,6 +25,13 @@ for step in $STEPS; do
     bench) timeout 150 python3 bench/bench_block.py --form noproj --out "$OUT" 2>&1 | tee "$OUT/bench_block.log" | tail -12 ;;
     benchproj) timeout 200 python3 bench/bench_block.py --form proj --out "$OUT" 2>&1 | tee "$OUT/bench_proj.log" | tail -12 ;;
     cpu) timeout 100 python3 -m pytest tests -q -m "not gpu" -n 8 -p no:cacheprovider 2>&1 | tee "$OUT/cpu_tests.log" | tail -4 ;;
+    ncu) timeout 150 ncu --clock-control none --kernel-name regex:pnca_ --launch-skip 2 --launch-count 1 \
+          --section SpeedOfLight --section Occupancy --section SchedulerStats --section WarpStateStats \
+          --section SourceCounters -o "$OUT/seed" python3 bench/profile_kernel.py seed > "$OUT/ncu_seed.log" 2>&1
+        ncu -i "$OUT/seed.ncu-rep" --page details > "$OUT/ncu_seed.txt" 2>&1
+        ncu -i "$OUT/seed.ncu-rep" --page source --csv --print-source sass > "$OUT/seed_sass.csv" 2>&1
+        # per unit = warp-heads of the few_keys tile on the seed shape: 32 * (2048 / 16) * 16
+        python3 bench/sass_profile.py "$OUT/seed_sass.csv" --per 65536 | tee "$OUT/seed_sass_summary.txt" | head -40 ;;
     models) timeout 330 python3 bench/models.py --out "$OUT" --models whisper,t5,unet,torch 2>&1 | tee "$OUT/models.log" | tail -8 ;;
   esac
 done

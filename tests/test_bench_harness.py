@@ -169,3 +169,18 @@ def test_models_skip_a_missing_library(monkeypatch, capsys):
     rows = models.run_models(["unet"], "cpu", torch.float32)
     assert rows == [{"model": "unet", "skipped": "needs no_such_library_xyz, which is not installed"}]
     assert "skipping unet" in capsys.readouterr().out
+
+
+def test_sass_profile_groups_an_ncu_sass_page():
+    sp = _load("sass_profile", "sass_profile.py")
+    page = ('"Kernel Name","pnca_bf16_d64",\n'
+            '"Address","Source","Warp Stall Sampling (All Samples)","Warp Stall Sampling (Not-issued Samples)",'
+            '"Instructions Executed"\n'
+            '"0x10","      LDC R1, c[0x0][0x28]","3","3","8"\n'
+            '"0x20","      HMMA.16816.F32.BF16 R4, R8, R12, RZ","10","9","64"\n'
+            '"0x30","@P0   HMMA.16816.F32.BF16 R4, R8, R12, R4","5","5","64"\n'
+            '"0x40","      SHF.L.U32 R14, R12, 0x10, RZ","40","40","32"\n')
+    instrs = sp.read_sass_csv(page)
+    assert [i.opcode for i in instrs] == ["LDC", "HMMA", "HMMA", "SHF"]  # the predicate guard is not the opcode
+    assert sp.opcode_mix(instrs) == [("HMMA", 128, 15), ("SHF", 32, 40), ("LDC", 8, 3)]
+    assert sp.by_execution_count(instrs) == [(64, 2, 128), (32, 1, 32), (8, 1, 8)]
