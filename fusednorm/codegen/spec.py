@@ -162,7 +162,7 @@ class KernelSpec:
         kv = 2 * t.stages * t.kv_rows * row_stride * 2
         q = t.warps * t.rows_per_warp * row_stride * 2 if self.q_in_smem else 0
         x_slots = t.stages * t.block_m * row_stride * 2
-        stats = t.warps * t.rows_per_warp * 2 * 4
+        stats = t.warps * t.rows_per_warp * 2 * 4 + (t.warps * 16 * 2 * 4 if t.key_split > 1 else 0)
         combine = t.warps * 16 * (self.head_dim + 2) * 4 if t.key_split > 1 else 0
         wide = self.q_from_qraw or self.affine_f32
         has_vecs = self.q_from_qraw or self.has_gamma or self.has_beta

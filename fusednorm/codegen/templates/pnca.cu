@@ -7,11 +7,12 @@
 // a persistent grid, so the result never depends on the grid size. The CTA's whole share is one flat sequence of
 // steps (item, head, key tile), and a cp.async pipeline STAGES deep runs ahead along it, across heads and items:
 // each stage brings one K and one V tile, and a head's first stage also brings that head's slice of x and its
-// norm parameters. Per item, each warp computes its rows' statistics over the full model dim (fp32, Welford, so
-// |mean| >> std does not cancel). Per head: Q = norm(x slice) times the softmax scale in log2 units, rounded to the
-// element type once (as eager rounds the norm's output; the scale rides along where that cannot overflow, see
-// Params), then FlashAttention-2 style attention over every key (mma.sync m16n8k16, online softmax in exp2), then
-// y = x + o for that head's columns, rounded once, staged in the x slice for 16-byte stores.
+// norm parameters. Per item, each warp computes its rows' statistics over the full model dim (sums on the tensor
+// cores; rows with |mean| >> std exactly, by Welford: see row_statistics). Per head: Q = norm(x slice) times the
+// softmax scale in log2 units, rounded to the element type once (as eager rounds the norm's output; the scale rides
+// along where that cannot overflow, see Params), then FlashAttention-2 style attention over every key (mma.sync
+// m16n8k16, online softmax in exp2), then y = x + o for that head's columns, rounded once, staged in the x slice
+// for 16-byte stores.
 // With ONE_TILE (the run-time choice makes it so only when Lk <= BLOCK_N) a head is one step: its accumulators
 // live within the step, so none of them is carried around the loop (fewer registers, more warps per SM), and the
 // online-softmax rescale disappears.
@@ -56,15 +57,13 @@ constexpr int QK_KSTEPS = HEAD_DIM_PAD / 16;
 constexpr int S_NTILES = BLOCK_N / 8;
 constexpr int O_NTILES = HEAD_DIM / 8;
 constexpr int PV_KSTEPS = BLOCK_N / 16;
-constexpr int STAT_ROWS = 4;    // rows whose loads are in flight together in the statistics pass,
-constexpr int STAT_CHUNKS = 2;  // with this many 16-byte chunks of each per lane (more would spill)
 static_assert(KEY_SPLIT == 1 || (KEY_SPLIT == WARPS && M_TILES == 1), "key split shares one m-tile");
 static_assert(!ONE_TILE || KEY_SPLIT == 1, "one tile per head: every warp sees all keys");
-static_assert(BLOCK_N % 16 == 0 && HEAD_DIM % 8 == 0 && ROWS_PER_WARP % STAT_ROWS == 0, "tile shape");
+static_assert(BLOCK_N % 16 == 0 && HEAD_DIM % 8 == 0, "tile shape");
 
 // Shared memory, in bytes: K stages, V stages, (Q_IN_SMEM only) one Q tile per warp, STAGES x-slice slots (a
 // head's x slice lives from its first stage to its epilogue, which also stages y there), per-row statistics, (key
-// split only) the partial softmax states to merge, and STAGES slots for a head's norm parameters (gamma and beta,
+// split only) the warps' partial row sums and the partial softmax states to merge, and STAGES slots for a head's norm parameters (gamma and beta,
 // or u and b').
 constexpr bool AFFINE_WIDE = Q_FROM_QRAW || AFFINE_IS_F32;  // fp32 parameters, else two 16-bit ones per register
 constexpr bool HAS_SCALE_VEC = Q_FROM_QRAW ? !NORM_IS_RMS : HAS_GAMMA;  // gamma, or u
@@ -78,7 +77,8 @@ constexpr int OFF_V = OFF_K + STAGES * KV_TILE_ELEMS * 2;
 constexpr int OFF_Q = OFF_V + STAGES * KV_TILE_ELEMS * 2;
 constexpr int OFF_X = OFF_Q + (Q_IN_SMEM ? WARPS * Q_TILE_ELEMS * 2 : 0);
 constexpr int OFF_STATS = OFF_X + STAGES * X_TILE_ELEMS * 2;
-constexpr int OFF_COMBINE = OFF_STATS + WARPS * ROWS_PER_WARP * 2 * 4;
+constexpr int OFF_STAT_PARTS = OFF_STATS + WARPS * ROWS_PER_WARP * 2 * 4;
+constexpr int OFF_COMBINE = OFF_STAT_PARTS + (KEY_SPLIT > 1 ? WARPS * 16 * 2 * 4 : 0);
 constexpr int COMBINE_BYTES = KEY_SPLIT > 1 ? WARPS * 16 * (HEAD_DIM + 2) * 4 : 0;
 constexpr int OFF_AFFINE = OFF_COMBINE + COMBINE_BYTES;
 static_assert(OFF_AFFINE + STAGES * AFFINE_SLOT_BYTES <= SMEM_BYTES, "launch.py's shared-memory size is too small");
@@ -119,6 +119,12 @@ FN_INLINE float mask_term(const u8* row, int key) {
 
 // ---- 1. row statistics (one warp, its own rows) ----
 
+// The exact pass: fp32 Welford per lane, merged over the warp (Chan et al.), so |mean| >> std does not cancel.
+// Only rows the fast pass below cannot trust take it.
+constexpr int STAT_ROWS = 4;    // rows whose loads are in flight together,
+constexpr int STAT_CHUNKS = 2;  // with this many 16-byte chunks of each per lane (more would spill)
+static_assert(ROWS_PER_WARP % STAT_ROWS == 0, "statistics rows");
+
 // Merge (nb, mub, m2b) into (n, mu, m2): Chan et al.'s pairwise update of count, mean and sum of squared deviations.
 // Branch-free: an empty side (nb == 0) gives f == 0 and changes nothing.
 FN_INLINE void welford_merge(float& n, float& mu, float& m2, float nb, float mub, float m2b) {
@@ -130,8 +136,8 @@ FN_INLINE void welford_merge(float& n, float& mu, float& m2, float nb, float mub
   n = nn;
 }
 
-FN_INLINE void row_statistics(const Params& p, const u16* x_batch, int row0, float* mean_s, float* rstd_s,
-                              int lane) {
+FN_INLINE void row_statistics_exact(const Params& p, const u16* x_batch, int row0, float* mean_s, float* rstd_s,
+                                    int lane) {
   const int D = p.model_dim;
 #pragma unroll 1
   for (int r0 = 0; r0 < ROWS_PER_WARP; r0 += STAT_ROWS) {
@@ -190,6 +196,91 @@ FN_INLINE void row_statistics(const Params& p, const u16* x_batch, int row0, flo
     }
   }
   __syncwarp();
+}
+
+// The fast pass, on the tensor cores: for 16 rows X (k running over the model dim), X * 1 holds the row sums and
+// X * X^T the rows' sums of squares on its diagonal. bf16/fp16 products are exact in fp32, so this is the fp32 sum
+// of exact squares, at 3 mma per 16 columns instead of ~4 instructions per element. A sum does not care about the
+// order of its columns, so each lane loads whole 16-byte chunks of rows g and g + 8 and uses them as the A fragments
+// of two k-steps; the B fragments of X^T are the same registers (b = a[0], a[2] for rows 0-7; a[1], a[3] for 8-15).
+// var = E[x^2] - mean^2 loses digits when mean^2 >> var (and the tensor cores' fp32 sums truncate): a warp with any
+// row where mean^2 > 16 var (or a variance below zero) redoes its rows with the exact pass, so only rows whose
+// variance keeps ~4 digits here (|mean| <= 4 std, the usual case by far) are decided by the fast sums.
+// Loads in flight per lane: 2 rows x STAT_GROUPS chunks (at 128 registers, more would spill). With KEY_SPLIT the
+// warps share their 16 rows, so each sums every WARPS-th group of 32 columns and the partial sums meet in shared
+// memory (sums, unlike Welford states, simply add): a decode item's statistics then cost 1/WARPS of the round trips.
+constexpr int STAT_GROUPS = MIN_CTAS_PER_SM > 1 ? 4 : 8;
+constexpr int STAT_WARPS = KEY_SPLIT > 1 ? WARPS : 1;
+
+FN_INLINE void row_statistics(const Params& p, const u16* x_batch, int row0, float* mean_s, float* rstd_s,
+                              float* partial_s, int warp, int lane) {
+  const int D = p.model_dim, g = lane >> 2, t = lane & 3;
+  const u32 ones = pack2_elem(1.f, 1.f);
+  bool redo = false;
+#pragma unroll
+  for (int mt = 0; mt < M_TILES; ++mt) {
+    const int qa = row0 + mt * 16 + g, qb = qa + 8;
+    const bool live_a = qa < p.q_len, live_b = qb < p.q_len;
+    const u16* xa = x_batch + (long long)qa * D + t * 8;  // dereferenced only for live rows
+    const u16* xb = xa + 8LL * D;
+    float sum[4] = {0.f, 0.f, 0.f, 0.f}, sq_lo[4] = {0.f, 0.f, 0.f, 0.f}, sq_hi[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll 1
+    for (int c0 = (STAT_WARPS > 1 ? warp : 0) * 32; c0 < D; c0 += STAT_GROUPS * STAT_WARPS * 32) {
+      u32x4 va[STAT_GROUPS], vb[STAT_GROUPS];
+#pragma unroll
+      for (int j = 0; j < STAT_GROUPS; ++j) {  // all loads first: the DRAM latency is paid once per round trip
+        const int c = c0 + j * STAT_WARPS * 32;
+        const bool in = c + t * 8 < D;  // D is a multiple of 8: a chunk is wholly in or out
+        va[j] = live_a && in ? ld_global16(xa + c) : u32x4{0u, 0u, 0u, 0u};
+        vb[j] = live_b && in ? ld_global16(xb + c) : u32x4{0u, 0u, 0u, 0u};
+      }
+#pragma unroll
+      for (int j = 0; j < STAT_GROUPS; ++j) {
+        if (c0 + j * STAT_WARPS * 32 >= D) break;  // warp-uniform
+        const u32 a0[4] = {va[j].x, vb[j].x, va[j].y, vb[j].y}, a1[4] = {va[j].z, vb[j].z, va[j].w, vb[j].w};
+        if constexpr (!NORM_IS_RMS) {
+          mma_16816(sum, a0, ones, ones);
+          mma_16816(sum, a1, ones, ones);
+        }
+        mma_16816(sq_lo, a0, a0[0], a0[2]);
+        mma_16816(sq_lo, a1, a1[0], a1[2]);
+        mma_16816(sq_hi, a0, a0[1], a0[3]);
+        mma_16816(sq_hi, a1, a1[1], a1[3]);
+      }
+    }
+    // Row g's square sum is column g of sq_lo, row g + 8's column g of sq_hi: held by lane t = g / 2 of the quad.
+    const int holder = (lane & ~3) | (g >> 1);
+    float ss_a = __shfl_sync(FULL_WARP, (g & 1) ? sq_lo[1] : sq_lo[0], holder);
+    float ss_b = __shfl_sync(FULL_WARP, (g & 1) ? sq_hi[3] : sq_hi[2], holder);
+    float sum_a = sum[0], sum_b = sum[2];
+    if constexpr (STAT_WARPS > 1) {  // every warp adds the partials in warp order: the same sums in each
+      if (t == 0) {
+        reinterpret_cast<float2*>(partial_s)[warp * 16 + g] = make_float2(sum_a, ss_a);
+        reinterpret_cast<float2*>(partial_s)[warp * 16 + g + 8] = make_float2(sum_b, ss_b);
+      }
+      __syncthreads();  // key split: all warps hold the same rows and come here together
+      sum_a = ss_a = sum_b = ss_b = 0.f;
+#pragma unroll
+      for (int w = 0; w < STAT_WARPS; ++w) {
+        const float2 pa = reinterpret_cast<const float2*>(partial_s)[w * 16 + g];
+        const float2 pb = reinterpret_cast<const float2*>(partial_s)[w * 16 + g + 8];
+        sum_a += pa.x; ss_a += pa.y; sum_b += pb.x; ss_b += pb.y;
+      }
+    }
+    const float inv_d = 1.f / (float)D;
+    const float mean_a = NORM_IS_RMS ? 0.f : sum_a * inv_d, mean_b = NORM_IS_RMS ? 0.f : sum_b * inv_d;
+    const float var_a = fmaf(-mean_a, mean_a, ss_a * inv_d), var_b = fmaf(-mean_b, mean_b, ss_b * inv_d);
+    if constexpr (!NORM_IS_RMS)  // NaN/Inf rows compare false and stay here: they come out non-finite either way
+      redo |= mean_a * mean_a > 16.f * var_a || mean_b * mean_b > 16.f * var_b;
+    if (t == 0) {  // biased variance, or mean(x^2) for RMS
+      mean_s[mt * 16 + g] = mean_a;
+      rstd_s[mt * 16 + g] = rsqrtf(fmaxf(var_a, 0.f) + p.eps);
+      mean_s[mt * 16 + g + 8] = mean_b;
+      rstd_s[mt * 16 + g + 8] = rsqrtf(fmaxf(var_b, 0.f) + p.eps);
+    }
+  }
+  __syncwarp();
+  if (__any_sync(FULL_WARP, redo)) row_statistics_exact(p, x_batch, row0, mean_s, rstd_s, lane);
 }
 
 // ---- 2. the Q fragments of one head: norm(x slice), rounded to the element type (one warp, its own rows) ----
@@ -381,9 +472,13 @@ FN_INLINE void load_x_tile(const Params& p, int b, int row_base, int col0, u16* 
 
 // k_tile / v_tile point at this warp's first key row in the stage; key0 is that key's index, valid (> 0) the
 // number of real keys from there (at most BLOCK_N); qrow0 the warp's first query row.
-// FULL: all BLOCK_N keys are real (every tile but the last); no per-n-tile guards, so the mma chain is straight.
+// FILL says which keys of the tile are real, so that the common cases carry no per-n-tile guards and the mma chain
+// is straight: FILL_ALL (every tile but the last), FILL_LAST_PAIR (only the last 16 keys hold some past Lk: every
+// key pair is computed and only those are masked; with ONE_TILE, Lk = 77 of an 80-key stage), FILL_ANY.
 // first: the head's first tile, whose o, m, l are still 0, -inf, 0 (nothing to rescale).
-template <bool FULL>
+enum TileFill { FILL_ALL, FILL_LAST_PAIR, FILL_ANY };
+
+template <int FILL>
 FN_INLINE void attend_tile(const Params& p, const QSource& src,
                            const u32 (&qf)[Q_IN_SMEM ? 1 : M_TILES][Q_IN_SMEM ? 1 : QK_KSTEPS][4], const u16* q_tile,
                            const u16* k_tile, const u16* v_tile, int key0, int valid, int qrow0, long long mask_bh,
@@ -415,7 +510,7 @@ FN_INLINE void attend_tile(const Params& p, const QSource& src,
     }
 #pragma unroll
     for (int np = 0; np < S_NTILES / 2; ++np) {
-      if (FULL || np * 16 < valid) {
+      if (FILL != FILL_ANY || np * 16 < valid) {
         u32 b[4];
         ldmatrix_x4(b, smem_addr(k_tile + (np * 16 + (lane & 7) + ((lane >> 4) << 3)) * ROW_STRIDE + kk * 16 +
                                  ((lane >> 3) & 1) * 8));
@@ -448,20 +543,20 @@ FN_INLINE void attend_tile(const Params& p, const QSource& src,
       for (int nt = 0; nt < S_NTILES; ++nt)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          if (!FULL && nt / 2 * 16 >= valid) continue;  // a key pair never computed: skipped here and by P V
+          if (FILL == FILL_ANY && nt / 2 * 16 >= valid) continue;  // a key pair never computed: skipped here and by P V
           float z = s[mt][nt][e] * p.score_scale;
           const int key = nt * 8 + t2 + (e & 1);
           if constexpr (MASK_KIND != 0) {
             const u8* row = mask_rows[mt][e >> 1];
             if (row != nullptr && key < valid) z += mask_term(row, key0 + key);
           }
-          if (!FULL && key >= valid) z = neg_inf();
+          if (FILL != FILL_ALL && key >= valid) z = neg_inf();
           s[mt][nt][e] = z;
         }
-  } else if (!FULL) {
+  } else if (FILL != FILL_ALL) {  // the edge n-tiles: computed, and holding keys past Lk
 #pragma unroll
-    for (int nt = 0; nt < S_NTILES; ++nt)
-      if (nt * 8 + 8 > valid && nt / 2 * 16 < valid)  // an edge n-tile: computed, holding keys past Lk
+    for (int nt = FILL == FILL_LAST_PAIR ? S_NTILES - 2 : 0; nt < S_NTILES; ++nt)
+      if (FILL == FILL_LAST_PAIR || (nt * 8 + 8 > valid && nt / 2 * 16 < valid))
 #pragma unroll
         for (int mt = 0; mt < M_TILES; ++mt)
 #pragma unroll
@@ -471,7 +566,9 @@ FN_INLINE void attend_tile(const Params& p, const QSource& src,
 
   // Online softmax. Rows whose every key so far is masked keep m = -inf; they exponentiate against 0 so that
   // p = 0 and l = 0 (never NaN), and the epilogue writes o = 0 for them. P goes out packed as the A fragments of
-  // P V: pk[mt][nt][half] holds rows g + 8 * half, keys nt * 8 + t2 + {0, 1}.
+  // P V: pk[mt][nt][half] holds rows g + 8 * half, keys nt * 8 + t2 + {0, 1}. The row sums l come from P V as
+  // well, as P times a column of ones: one mma per 16 keys instead of an add per score and a quad reduction, and
+  // the sum of the same rounded P that the numerator uses.
   u32 pk[M_TILES][S_NTILES][2];
 #pragma unroll
   for (int mt = 0; mt < M_TILES; ++mt)
@@ -480,22 +577,20 @@ FN_INLINE void attend_tile(const Params& p, const QSource& src,
       float mx = neg_inf();
 #pragma unroll
       for (int nt = 0; nt < S_NTILES; ++nt)
-        if (FULL || nt / 2 * 16 < valid) mx = fmaxf(mx, fmaxf(s[mt][nt][2 * half], s[mt][nt][2 * half + 1]));
+        if (FILL != FILL_ANY || nt / 2 * 16 < valid) mx = fmaxf(mx, fmaxf(s[mt][nt][2 * half], s[mt][nt][2 * half + 1]));
       mx = fmaxf(mx, __shfl_xor_sync(FULL_WARP, mx, 1));
       mx = fmaxf(mx, __shfl_xor_sync(FULL_WARP, mx, 2));
       const float m_new = first ? mx : fmaxf(m[mt][half], mx);
       const float m_use = m_new == neg_inf() ? 0.f : m_new;
       const float alpha = first ? 0.f : fast_exp2(m[mt][half] - m_use);
       m[mt][half] = m_new;
-      float sum = 0.f;
 #pragma unroll
       for (int nt = 0; nt < S_NTILES; ++nt) {
-        if (!FULL && nt / 2 * 16 >= valid) continue;
+        if (FILL == FILL_ANY && nt / 2 * 16 >= valid) continue;
         const float e0 = fast_exp2(s[mt][nt][2 * half] - m_use), e1 = fast_exp2(s[mt][nt][2 * half + 1] - m_use);
-        sum += e0 + e1;
         pk[mt][nt][half] = pack2_elem(e0, e1);  // packed at once: the fp32 scores die here, not after P V
       }
-      l[mt][half] = first ? sum : l[mt][half] * alpha + sum;  // per-thread partial; summed over the quad later
+      l[mt][half] = first ? 0.f : l[mt][half] * alpha;  // P V adds this tile's sums
 #pragma unroll
       for (int nt = 0; nt < O_NTILES; ++nt) {  // o starts here on a head's first tile: not live during QK^T
         o[mt][nt][2 * half] = first ? 0.f : o[mt][nt][2 * half] * alpha;
@@ -503,10 +598,17 @@ FN_INLINE void attend_tile(const Params& p, const QSource& src,
       }
     }
 
-  // O += P V.
+  // O += P V, and l += P 1 (the row sums land in every column of lc; rows g and g + 8 in lc[0] and lc[2]).
+  const u32 ones = pack2_elem(1.f, 1.f);
+  float lc[M_TILES][4];
+#pragma unroll
+  for (int mt = 0; mt < M_TILES; ++mt) {
+    lc[mt][0] = lc[mt][1] = l[mt][0];
+    lc[mt][2] = lc[mt][3] = l[mt][1];
+  }
 #pragma unroll
   for (int ks = 0; ks < PV_KSTEPS; ++ks) {
-    if (FULL || ks * 16 < valid) {
+    if (FILL != FILL_ANY || ks * 16 < valid) {
       u32 a[M_TILES][4];
 #pragma unroll
       for (int mt = 0; mt < M_TILES; ++mt) {
@@ -514,6 +616,7 @@ FN_INLINE void attend_tile(const Params& p, const QSource& src,
         a[mt][1] = pk[mt][2 * ks][1];
         a[mt][2] = pk[mt][2 * ks + 1][0];
         a[mt][3] = pk[mt][2 * ks + 1][1];
+        mma_16816(lc[mt], a[mt], ones, ones);
       }
       const u16* v_rows = v_tile + (ks * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * ROW_STRIDE;
 #pragma unroll
@@ -534,6 +637,11 @@ FN_INLINE void attend_tile(const Params& p, const QSource& src,
       }
     }
   }
+#pragma unroll
+  for (int mt = 0; mt < M_TILES; ++mt) {
+    l[mt][0] = lc[mt][0];
+    l[mt][1] = lc[mt][2];
+  }
 }
 
 // ---- 4. epilogue: y = x + o (or o alone, WRITE_O) for one head's columns ----
@@ -553,9 +661,7 @@ FN_INLINE void store_output_rows(const Params& p, u16* y_batch, int row0, int co
   for (int mt = 0; mt < M_TILES; ++mt)
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      float lsum = l[mt][half];
-      lsum += __shfl_xor_sync(FULL_WARP, lsum, 1);
-      lsum += __shfl_xor_sync(FULL_WARP, lsum, 2);
+      const float lsum = l[mt][half];
       const float inv = lsum > 0.f ? 1.f / lsum : 0.f;  // fully masked rows: o = 0
       const int r = mt * 16 + g + half * 8;
       if (row0 + r < p.q_len) {
@@ -572,13 +678,25 @@ FN_INLINE void store_output_rows(const Params& p, u16* y_batch, int row0, int co
     }
   __syncwarp();
   constexpr int TOTAL = ROWS_PER_WARP * CHUNKS;
+  if constexpr (32 % CHUNKS == 0) {  // each pass covers whole rows: one pointer, stepped (d = 32, 64, 128, 256)
+    constexpr int PASS_ROWS = 32 / CHUNKS;
+    const int r0 = lane / CHUNKS, c = (lane % CHUNKS) * 8;
+    u16* yp = y_batch + (long long)(row0 + r0) * p.y_ld + col0 + c;
+    const long long step = (long long)PASS_ROWS * p.y_ld;
+    const int rows_left = p.q_len - row0 - r0;
 #pragma unroll
-  for (int it = 0; it < (TOTAL + 31) / 32; ++it) {
-    const int i = lane + it * 32;
-    const int r = i / CHUNKS, c = (i % CHUNKS) * 8;
-    if ((TOTAL % 32 == 0 || i < TOTAL) && row0 + r < p.q_len) {
-      st_global16_stream(y_batch + (long long)(row0 + r) * p.y_ld + col0 + c,
-                         *reinterpret_cast<const u32x4*>(x_tile + r * ROW_STRIDE + c));
+    for (int it = 0; it < ROWS_PER_WARP / PASS_ROWS; ++it, yp += step)
+      if (it * PASS_ROWS < rows_left)
+        st_global16_stream(yp, *reinterpret_cast<const u32x4*>(x_tile + (r0 + it * PASS_ROWS) * ROW_STRIDE + c));
+  } else {
+#pragma unroll
+    for (int it = 0; it < (TOTAL + 31) / 32; ++it) {
+      const int i = lane + it * 32;
+      const int r = i / CHUNKS, c = (i % CHUNKS) * 8;
+      if ((TOTAL % 32 == 0 || i < TOTAL) && row0 + r < p.q_len) {
+        st_global16_stream(y_batch + (long long)(row0 + r) * p.y_ld + col0 + c,
+                           *reinterpret_cast<const u32x4*>(x_tile + r * ROW_STRIDE + c));
+      }
     }
   }
   if (WRITE_O && p.ones_col && col0 == 0)
@@ -597,9 +715,7 @@ FN_INLINE void combine_and_store(const Params& p, const u16* x_tile, u16* y_batc
   const int g = lane >> 2, t2 = (lane & 3) * 2;
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
-    float lsum = l[0][half];
-    lsum += __shfl_xor_sync(FULL_WARP, lsum, 1);
-    lsum += __shfl_xor_sync(FULL_WARP, lsum, 2);
+    const float lsum = l[0][half];
     const int r = g + half * 8;
     if (t2 == 0) {
       m_all[warp * 16 + r] = m[0][half];
@@ -697,6 +813,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS_PER_SM) KERNEL_NA
   u16* x_slots = reinterpret_cast<u16*>(smem + OFF_X);
   float* row_mean = reinterpret_cast<float*>(smem + OFF_STATS) + warp * 2 * ROWS_PER_WARP;
   float* row_rstd = row_mean + ROWS_PER_WARP;
+  float* stat_parts = reinterpret_cast<float*>(smem + OFF_STAT_PARTS);
   float* combine = reinterpret_cast<float*>(smem + OFF_COMBINE);
   u8* affine_slots = smem + OFF_AFFINE;
 
@@ -738,7 +855,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS_PER_SM) KERNEL_NA
     const bool head_last = ONE_TILE || cur.tile == key_tiles - 1;
     if (head_first) {  // a new head (the accumulators of the last one are dead here, which saves registers)
       if (cur.head_in_item == 0 && warp_rows)  // a new item: statistics of this warp's rows
-        row_statistics(p, p.x + (long long)cur.b * p.q_len * p.model_dim, row0, row_mean, row_rstd, lane);
+        row_statistics(p, p.x + (long long)cur.b * p.q_len * p.model_dim, row0, row_mean, row_rstd, stat_parts, warp,
+                       lane);
 #pragma unroll
       for (int mt = 0; mt < M_TILES && !ONE_TILE; ++mt) {  // ONE_TILE: attend_tile starts them (Lk >= 1)
 #pragma unroll
@@ -780,9 +898,14 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS_PER_SM) KERNEL_NA
       const u16* k_tile = k_stages + stage * KV_TILE_ELEMS + warp_key_offset * ROW_STRIDE;
       const u16* v_tile = v_stages + stage * KV_TILE_ELEMS + warp_key_offset * ROW_STRIDE;
       if (valid == BLOCK_N)
-        attend_tile<true>(p, src, qf, q_tile, k_tile, v_tile, key0, valid, row0, mask_bh, head_first, o, m, l, lane);
+        attend_tile<FILL_ALL>(p, src, qf, q_tile, k_tile, v_tile, key0, valid, row0, mask_bh, head_first, o, m, l,
+                              lane);
+      else if (ONE_TILE && valid > BLOCK_N - 16)  // every head's one tile: worth its own copy of the code
+        attend_tile<FILL_LAST_PAIR>(p, src, qf, q_tile, k_tile, v_tile, key0, valid, row0, mask_bh, head_first, o,
+                                    m, l, lane);
       else
-        attend_tile<false>(p, src, qf, q_tile, k_tile, v_tile, key0, valid, row0, mask_bh, head_first, o, m, l, lane);
+        attend_tile<FILL_ANY>(p, src, qf, q_tile, k_tile, v_tile, key0, valid, row0, mask_bh, head_first, o, m, l,
+                              lane);
     }
 
     if (head_last) {
