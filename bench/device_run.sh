@@ -3,7 +3,8 @@
 #   gpu: GPU tests; bench: the block benchmark (noproj form); benchproj: the same for the proj form (Wq/Wo);
 #   cpu: the CPU suite under that machine's torch; models: whole models (Whisper, T5, SD-1.5 UNet, torch decoder;
 #   one whose library is missing is skipped); ncu: the seed shape under Nsight Compute, with the per-instruction
-#   summary of bench/sass_profile.py. benchproj, sweep, sanitize and ncu run only when STEPS names them.
+#   summary of bench/sass_profile.py. benchproj, sweep, ablate (bench/ablate_kernel.py),
+#   sanitize and ncu run only when STEPS names them.
 #   OUT=<dir> [STEPS="gpu bench cpu models"] [SWEEP_SHAPES=t5_dec,...] [NCU_SHAPES="seed sdxl64"] bash bench/device_run.sh
 #   (wheels under .whl/ are installed first: carry diffusers there, the GPU machine lacks it)
 set -u
@@ -18,6 +19,7 @@ python3 -c "import torch, transformers; print('torch', torch.__version__, 'trans
 for step in $STEPS; do
   case $step in
     gpu) timeout 300 python3 -m pytest tests/gpu -q -x -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -4 ;;
+    ablate) timeout 200 python3 bench/ablate_kernel.py 2>&1 | tee "$OUT/ablate.log" | tail -12 ;;
     sweep) timeout 240 python3 bench/sweep_tiles.py ${SWEEP_SHAPES:+--shapes $SWEEP_SHAPES} 2>&1 | tee "$OUT/sweep.log" | tail -40 ;;
     sanitize) for tool in memcheck racecheck; do
         timeout 100 compute-sanitizer --tool $tool python3 tests/gpu/sanitize_kernels.py > "$OUT/$tool.log" 2>&1

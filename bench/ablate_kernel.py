@@ -1,0 +1,74 @@
+"""Where the few_keys kernel's GPU time goes: the kernel rebuilt with one phase cut out at a time, timed on the
+short-key shapes in one run. The cut kernels compute wrong results on purpose; only their time is read.
+
+    PYTHONPATH=. python bench/ablate_kernel.py [--shapes seed,sdxl64,sd15_64]
+
+Each cut is an exact text replacement in the rendered source of the one-tile kernels (other roles are untouched);
+a replacement that no longer matches the template stops the run, so the cuts cannot silently go stale.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+os.environ["FUSEDNORM_CACHE_DIR"] = tempfile.mkdtemp(prefix="fusednorm_ablate_")  # cut kernels stay out of the cache
+import fusednorm.codegen as codegen  # noqa: E402
+from bench_block import SHAPES, NoProjForm, graph_time_us  # noqa: E402
+from fusednorm.codegen import cache, render as render_mod  # noqa: E402
+
+CUTS = {  # name -> (what it removes, [(old, new), ...])
+    "baseline": ("nothing", []),
+    "no_refill": ("the per-step copies (K, V, x slice, norm parameters): stages keep the prologue's data",
+                  [("    if (ahead.item < p.items) {\n      load_step(p, ahead, stage == 0",
+                    "    if (false) {\n      load_step(p, ahead, stage == 0")]),
+    "no_x_slice": ("the x-slice copy of each head (Q and the residual read stale x)",
+                   [("    if (NEEDS_X_SLICE)\n      load_x_tile(", "    if (false)\n      load_x_tile(")]),
+    "no_statistics": ("the row-statistics pass at each item's start",
+                      [("      if (cur.head_in_item == 0 && warp_rows)  // a new item",
+                        "      if (false)  // a new item")]),
+    "no_barrier": ("the CTA barrier of each step (warps run unsynchronised)",
+                   [("    __syncthreads();  // this step's stage is visible",
+                     "    __syncwarp();  // this step's stage is visible")]),
+    "no_y_store": ("the global stores of y (y is still computed and staged in shared memory)",
+                   [("        st_global16_stream(yp, ", "        if (p.q_len < 0) st_global16_stream(yp, ")]),
+}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default="seed,sdxl64,sd15_64")
+    args = ap.parse_args()
+    form = NoProjForm()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    original = render_mod.render
+    inputs = {name: form.make_inputs(SHAPES[name], torch.bfloat16, gen) for name in args.shapes.split(",")}
+    print("cut".ljust(16) + "".join(f"{n:>12s}" for n in inputs) + "   (us, CUDA-graph replay median)")
+    for cut, (what, edits) in CUTS.items():
+        def render(spec, _edits=edits):
+            src = original(spec)
+            if not spec.tile.one_tile:
+                return src
+            for old, new in _edits:
+                if src.count(old) != 1:
+                    raise SystemExit(f"cut {cut!r}: {old!r} is not found exactly once in the template")
+                src = src.replace(old, new)
+            return src
+        cache.render = render
+        cache._memory.clear()
+        codegen._families.clear()
+        codegen._plans.clear()
+        codegen.call_plans.clear()
+        row = [graph_time_us(form.fused, [t], min_total_s=0.1) for t in inputs.values()]
+        print(f"{cut:16s}" + "".join(f"{us:12.1f}" for us in row) + f"   {what}", flush=True)
+    cache.render = original
+
+
+if __name__ == "__main__":
+    main()
