@@ -38,19 +38,40 @@ CUTS = {  # name -> (what it removes, [(old, new), ...])
                      "    __syncwarp();  // this step's stage is visible")]),
     "no_y_store": ("the global stores of y (y is still computed and staged in shared memory)",
                    [("        st_global16_stream(yp, ", "        if (p.q_len < 0) st_global16_stream(yp, ")]),
+    "no_qk_mma": ("the QK^T mma (scores stay 0; Q and the K fragments are then never built)",
+                  [("          mma_16816(s[mt][2 * np], a[mt], b[0], b[1]);\n"
+                    "          mma_16816(s[mt][2 * np + 1], a[mt], b[2], b[3]);\n", "")]),
+    "no_pv_mma": ("the P V mma (o stays 0; the V fragments are then never loaded)",
+                  [("          mma_16816(o[mt][2 * dp], a[mt], b[0], b[1]);\n"
+                    "          mma_16816(o[mt][2 * dp + 1], a[mt], b[2], b[3]);\n", "")]),
+    "no_rowsum_mma": ("the P * 1 mma that sums each row of P",
+                      [("        mma_16816(lc[mt], a[mt], ones, ones);\n", "")]),
+    "no_exp": ("the exponentials (p = s - m)",
+               [("const float e0 = fast_exp2(s[mt][nt][2 * half] - m_use), e1 = fast_exp2(",
+                 "const float e0 = (s[mt][nt][2 * half] - m_use), e1 = (")]),
+    "no_max_shuffle": ("the two shuffles that spread each row's max over its quad",
+                       [("      mx = fmaxf(mx, __shfl_xor_sync(FULL_WARP, mx, 1));\n"
+                         "      mx = fmaxf(mx, __shfl_xor_sync(FULL_WARP, mx, 2));\n", "")]),
+    "no_max": ("the row max (its chain and its shuffles; m = 0)",
+               [("      mx = fmaxf(mx, __shfl_xor_sync(FULL_WARP, mx, 1));\n"
+                 "      mx = fmaxf(mx, __shfl_xor_sync(FULL_WARP, mx, 2));\n", ""),
+                ("        if (FILL != FILL_ANY || nt / 2 * 16 < valid) mx = fmaxf(",
+                 "        if (false) mx = fmaxf(")]),
 }
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="seed,sdxl64,sd15_64")
+    ap.add_argument("--cuts", default=",".join(CUTS), help="which cuts, baseline first")
     args = ap.parse_args()
     form = NoProjForm()
     gen = torch.Generator(device="cuda").manual_seed(0)
     original = render_mod.render
     inputs = {name: form.make_inputs(SHAPES[name], torch.bfloat16, gen) for name in args.shapes.split(",")}
     print("cut".ljust(16) + "".join(f"{n:>12s}" for n in inputs) + "   (us, CUDA-graph replay median)")
-    for cut, (what, edits) in CUTS.items():
+    for cut in args.cuts.split(","):
+        what, edits = CUTS[cut]
         def render(spec, _edits=edits):
             src = original(spec)
             if not spec.tile.one_tile:

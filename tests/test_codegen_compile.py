@@ -89,6 +89,27 @@ def test_ptxas_report_parsing():
 
 # ---- run-time choices (no GPU needed) ----
 
+def test_an_empty_compiler_log_is_retried_then_reported(monkeypatch):
+    """A compile whose log comes back without ptxas's report is compiled again alone; twice empty is an error."""
+    from fusednorm.codegen import nvrtc
+
+    spec = KernelSpec("bf16", 64, "layer", True, True, False, "none", False, tile_for("base", 64), 90, False)
+    real, calls = nvrtc._compile, []
+
+    def empty_first(source, name, arch):
+        cubin, log_text = real(source, name, arch)
+        calls.append(name)
+        return cubin, ("" if len(calls) == 1 else log_text)
+
+    monkeypatch.setattr(nvrtc, "_compile", empty_first)
+    cubin, usage, _ = nvrtc.compile_to_cubin(render(spec), spec.key, spec.arch)
+    assert len(calls) == 2 and usage.registers > 0 and cubin[:4] == b"\x7fELF"
+
+    monkeypatch.setattr(nvrtc, "_compile", lambda source, name, arch: (real(source, name, arch)[0], ""))
+    with pytest.raises(nvrtc.NvrtcError, match="no ptxas resource report"):
+        nvrtc.compile_to_cubin(render(spec), spec.key, spec.arch)
+
+
 def test_role_follows_lengths():
     assert select.tile_role(1, 1500, 64, 20) == "short"                 # Whisper decode
     assert select.tile_role(1, 77, 64, 20) == "short"                   # decode with few keys: still short

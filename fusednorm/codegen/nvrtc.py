@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import re
+import threading
 import time
 from dataclasses import dataclass
 
@@ -68,10 +69,28 @@ def parse_ptxas_report(text: str, kernel_name: str) -> ResourceUsage:
 
 def compile_to_cubin(source: str, kernel_name: str, arch: int) -> tuple[bytes, ResourceUsage, str]:
     """Compile ``source`` for sm_{arch}; returns (cubin, ptxas resource usage of ``kernel_name``, compiler log)."""
-    from cuda.bindings import nvrtc
-
     log.info("fusednorm: compiling %s with NVRTC %s for sm_%d", kernel_name, nvrtc_version(), arch)
     t0 = time.perf_counter()
+    cubin, log_text = _compile(source, kernel_name, arch)
+    try:
+        usage = parse_ptxas_report(log_text, kernel_name)
+    except NvrtcError:
+        # Seen once on a GPU machine, with a family's kernels compiling in parallel threads: a successful compile
+        # whose log came back empty. Compile again, alone, before calling it an error.
+        log.warning("fusednorm: NVRTC returned no ptxas report for %s; compiling it again, alone", kernel_name)
+        with _alone:
+            cubin, log_text = _compile(source, kernel_name, arch)
+        usage = parse_ptxas_report(log_text, kernel_name)
+    log.debug("fusednorm: %s compiled in %.2f s: %s", kernel_name, time.perf_counter() - t0, usage)
+    return cubin, usage, log_text
+
+
+_alone = threading.Lock()
+
+
+def _compile(source: str, kernel_name: str, arch: int) -> tuple[bytes, str]:
+    from cuda.bindings import nvrtc
+
     err, prog = nvrtc.nvrtcCreateProgram(source.encode(), f"{kernel_name}.cu".encode(), 0, [], [])
     _check(err, "nvrtcCreateProgram")
     try:
@@ -91,6 +110,4 @@ def compile_to_cubin(source: str, kernel_name: str, arch: int) -> tuple[bytes, R
         _check(err, "nvrtcGetCUBIN")
     finally:
         nvrtc.nvrtcDestroyProgram(prog)
-    usage = parse_ptxas_report(log_text, kernel_name)
-    log.debug("fusednorm: %s compiled in %.2f s: %s", kernel_name, time.perf_counter() - t0, usage)
-    return cubin, usage, log_text
+    return cubin, log_text
