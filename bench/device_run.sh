@@ -20,7 +20,7 @@ for step in $STEPS; do
   case $step in
     gpu) timeout 300 python3 -m pytest tests/gpu -q -x -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -4 ;;
     ablate) timeout 200 python3 bench/ablate_kernel.py 2>&1 | tee "$OUT/ablate.log" | tail -12 ;;
-    sweep) timeout 240 python3 bench/sweep_tiles.py ${SWEEP_SHAPES:+--shapes $SWEEP_SHAPES} 2>&1 | tee "$OUT/sweep.log" | tail -40 ;;
+    sweep) timeout 240 python3 bench/sweep_tiles.py ${SWEEP_SHAPES:+--shapes $SWEEP_SHAPES} ${SWEEP_ONLY:+--only $SWEEP_ONLY} 2>&1 | tee "$OUT/sweep.log" | tail -40 ;;
     sanitize) for tool in memcheck racecheck; do
         timeout 100 compute-sanitizer --tool $tool python3 tests/gpu/sanitize_kernels.py > "$OUT/$tool.log" 2>&1
         echo "$tool: exit $?, $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/$tool.log")"
@@ -30,11 +30,13 @@ for step in $STEPS; do
     cpu) timeout 100 python3 -m pytest tests -q -m "not gpu" -n 8 -p no:cacheprovider 2>&1 | tee "$OUT/cpu_tests.log" | tail -4 ;;
     ncu) for shape in ${NCU_SHAPES:-seed}; do  # few_keys shapes; per unit = warp-heads, B * (Lq / 16) * H
         per=$(python3 -c "import sys; sys.path.insert(0, 'bench'); from bench_block import NoProjForm; B, Lq, D, H, Lk = NoProjForm.shapes['$shape']; print(B * -(-Lq // 16) * H)")
+        python3 bench/profile_kernel.py $shape > "$OUT/ncu_$shape.log" 2>&1  # compiled outside the profiler first
         timeout 150 ncu --clock-control none --kernel-name regex:pnca_ --launch-skip 2 --launch-count 1 \
           --section SpeedOfLight --section Occupancy --section SchedulerStats --section WarpStateStats \
-          --section SourceCounters -o "$OUT/$shape" python3 bench/profile_kernel.py $shape > "$OUT/ncu_$shape.log" 2>&1
+          --section SourceCounters -o "$OUT/$shape" python3 bench/profile_kernel.py $shape >> "$OUT/ncu_$shape.log" 2>&1
         ncu -i "$OUT/$shape.ncu-rep" --page details > "$OUT/ncu_$shape.txt" 2>&1
         ncu -i "$OUT/$shape.ncu-rep" --page source --csv --print-source sass > "$OUT/${shape}_sass.csv" 2>&1
+        ncu -i "$OUT/$shape.ncu-rep" --page raw --csv 2>/dev/null | python3 bench/stall_reasons.py | tee "$OUT/${shape}_stalls.txt"
         python3 bench/sass_profile.py "$OUT/${shape}_sass.csv" --per $per | tee "$OUT/${shape}_sass_summary.txt" | head -30
       done ;;
     models) timeout 330 python3 bench/models.py --out "$OUT" --models whisper,t5,unet,torch 2>&1 | tee "$OUT/models.log" | tail -8 ;;

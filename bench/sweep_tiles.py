@@ -28,7 +28,8 @@ CANDIDATES = {  # role -> candidate tiles, each with the __launch_bounds__ minim
     "base": [(T(4, 1, 64, 1, 2), 3), (T(4, 1, 128, 1, 2), 1), (T(4, 1, 64, 1, 3), 3)],
     "few_keys": [(T(8, 1, 80, 1, 2, True), 2), (T(16, 1, 80, 1, 2, True), 1), (T(4, 1, 80, 1, 2, True), 3),
                  (T(4, 2, 80, 1, 2, True), 1), (T(6, 2, 80, 1, 2, True), 2), (T(8, 2, 80, 1, 2, True), 1),
-                 (T(4, 2, 64, 1, 2), 1), (T(4, 1, 64, 1, 2), 3)],
+                 (T(4, 2, 64, 1, 2), 1), (T(4, 1, 64, 1, 2), 3),
+                 (T(10, 1, 80, 1, 2, True), 2), (T(6, 1, 80, 1, 2, True), 3)],  # 20 / 18 warps per SM, 96 registers
     "short": [(T(4, 1, 16, 4, 4), 1), (T(4, 1, 32, 4, 4), 1), (T(4, 1, 16, 4, 6), 1), (T(8, 1, 16, 8, 4), 1),
               (T(4, 1, 32, 4, 3), 1), (T(8, 1, 16, 8, 3), 1)],
 }
@@ -38,6 +39,7 @@ DEFAULT_SHAPES = "seed,sdxl64,sd15_64,t5_dec,whisper_dec,whisper_pre"
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default=DEFAULT_SHAPES)
+    ap.add_argument("--only", default="", help="candidate tokens to time (default: all of the role's)")
     args = ap.parse_args()
     form = NoProjForm()
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -53,6 +55,8 @@ def main():
         role = select.tile_role(Lq, Lk, B, H, sms)
         print(f"{name} {shape} role={role} default={original(role, d).token}", flush=True)
         for tile, min_ctas in CANDIDATES[role]:
+            if args.only and tile.token not in args.only.split(","):
+                continue
             if d > 128 and tile.m_tiles * tile.block_n > 64 or tile.one_tile and Lk > tile.block_n:
                 continue
             spec_mod.KernelSpec.min_ctas_per_sm = property(lambda s, _t=tile, _m=min_ctas: _m if s.tile == _t

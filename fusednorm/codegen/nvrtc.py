@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 import logging
+import hashlib
 import re
-import threading
 import time
 from dataclasses import dataclass
 
@@ -71,24 +71,24 @@ def compile_to_cubin(source: str, kernel_name: str, arch: int) -> tuple[bytes, R
     """Compile ``source`` for sm_{arch}; returns (cubin, ptxas resource usage of ``kernel_name``, compiler log)."""
     log.info("fusednorm: compiling %s with NVRTC %s for sm_%d", kernel_name, nvrtc_version(), arch)
     t0 = time.perf_counter()
-    cubin, log_text = _compile(source, kernel_name, arch)
-    try:
+    cubin, log_text, ptx = _compile(source, kernel_name, arch)
+    seen = (arch, hashlib.sha256(ptx).hexdigest())
+    if "Used " not in log_text and seen in _usage_by_ptx:
+        # On the GPU machine NVRTC hands back its earlier build of identical PTX without running ptxas again, and
+        # so without ptxas's report (a source edit the preprocessor drops, e.g.): that build's report holds.
+        usage = _usage_by_ptx[seen]
+    else:
         usage = parse_ptxas_report(log_text, kernel_name)
-    except NvrtcError:
-        # Seen once on a GPU machine, with a family's kernels compiling in parallel threads: a successful compile
-        # whose log came back empty. Compile again, alone, before calling it an error.
-        log.warning("fusednorm: NVRTC returned no ptxas report for %s; compiling it again, alone", kernel_name)
-        with _alone:
-            cubin, log_text = _compile(source, kernel_name, arch)
-        usage = parse_ptxas_report(log_text, kernel_name)
+        _usage_by_ptx[seen] = usage
     log.debug("fusednorm: %s compiled in %.2f s: %s", kernel_name, time.perf_counter() - t0, usage)
     return cubin, usage, log_text
 
 
-_alone = threading.Lock()
+_usage_by_ptx: dict[tuple[int, str], ResourceUsage] = {}  # (arch, PTX hash) -> ptxas's report, this process
 
 
-def _compile(source: str, kernel_name: str, arch: int) -> tuple[bytes, str]:
+def _compile(source: str, kernel_name: str, arch: int) -> tuple[bytes, str, bytes]:
+    """(cubin, compiler log, PTX) of one NVRTC compile."""
     from cuda.bindings import nvrtc
 
     err, prog = nvrtc.nvrtcCreateProgram(source.encode(), f"{kernel_name}.cu".encode(), 0, [], [])
@@ -108,6 +108,11 @@ def _compile(source: str, kernel_name: str, arch: int) -> tuple[bytes, str]:
         cubin = b" " * size
         (err,) = nvrtc.nvrtcGetCUBIN(prog, cubin)
         _check(err, "nvrtcGetCUBIN")
+        err, size = nvrtc.nvrtcGetPTXSize(prog)
+        _check(err, "nvrtcGetPTXSize")
+        ptx = b" " * size
+        (err,) = nvrtc.nvrtcGetPTX(prog, ptx)
+        _check(err, "nvrtcGetPTX")
     finally:
         nvrtc.nvrtcDestroyProgram(prog)
-    return cubin, log_text
+    return cubin, log_text, ptx
