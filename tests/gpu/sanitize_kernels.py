@@ -4,8 +4,9 @@
     compute-sanitizer --tool racecheck python tests/gpu/sanitize_kernels.py
 
 Covers every tile role (short / base / long / few_keys) of templates/pnca.cu, the padded head dim (40), the largest
-(256), a bool and an additive mask, and ragged lengths, so every code path of the template runs once; then the
-projection plan's stage mode (folded Q in, o and its ones column out) once per role.
+(256), a bool and an additive mask, ragged lengths, and rows whose mean is large against their spread (the exact
+statistics pass), so every code path of the template runs once; then the projection plan's stage mode (folded Q
+in, o and its ones column out) once per role.
 """
 from __future__ import annotations
 
@@ -16,23 +17,25 @@ import torch
 import fusednorm
 from fusednorm.codegen import launch, select
 
-CASES = [  # (role, dtype, B, Lq, Lk, H, d, mask)
-    ("short", torch.bfloat16, 2, 1, 150, 2, 64, None),
-    ("short", torch.float16, 1, 5, 77, 2, 256, "bool"),
-    ("base", torch.bfloat16, 2, 70, 77, 2, 40, "add"),
-    ("base", torch.float16, 1, 33, 19, 2, 256, None),
-    ("long", torch.bfloat16, 1, 130, 300, 2, 64, "bool"),
-    ("long", torch.bfloat16, 1, 129, 100, 2, 128, None),
-    ("few_keys", torch.bfloat16, 2, 140, 77, 3, 64, "add"),
-    ("few_keys", torch.float16, 1, 20, 80, 2, 40, None),
+CASES = [  # (role, dtype, B, Lq, Lk, H, d, mask, mean of x in units of its std)
+    ("short", torch.bfloat16, 2, 1, 150, 2, 64, None, 0.0),
+    ("short", torch.bfloat16, 2, 3, 150, 2, 64, None, 50.0),
+    ("short", torch.float16, 1, 5, 77, 2, 256, "bool", 0.0),
+    ("base", torch.bfloat16, 2, 70, 77, 2, 40, "add", 0.0),
+    ("base", torch.float16, 1, 33, 19, 2, 256, None, 0.0),
+    ("long", torch.bfloat16, 1, 130, 300, 2, 64, "bool", 0.0),
+    ("long", torch.bfloat16, 1, 129, 100, 2, 128, None, 0.0),
+    ("few_keys", torch.bfloat16, 2, 140, 77, 3, 64, "add", 0.0),
+    ("few_keys", torch.bfloat16, 1, 40, 77, 3, 64, "add", 50.0),
+    ("few_keys", torch.float16, 1, 20, 80, 2, 40, None, 0.0),
 ]
 
 
 def main() -> int:
     torch.manual_seed(0)
-    for role, dtype, B, Lq, Lk, H, d, mask_kind in CASES:
+    for role, dtype, B, Lq, Lk, H, d, mask_kind, mean in CASES:
         select.force_role = role
-        x = torch.randn(B, Lq, H * d, device="cuda", dtype=dtype)
+        x = (torch.randn(B, Lq, H * d, device="cuda") + mean).to(dtype)
         k = torch.randn(B, Lk, H, d, device="cuda", dtype=dtype).transpose(1, 2)
         v = torch.randn(B, Lk, H, d, device="cuda", dtype=dtype).transpose(1, 2)
         g = torch.randn(H * d, device="cuda", dtype=dtype)
@@ -46,7 +49,7 @@ def main() -> int:
         y = fusednorm.fused_pre_norm_cross_attn(x, k, v, g, b, 1e-5, mask=mask)
         torch.cuda.synchronize()
         assert launch.launch_count == before + 1
-        print(f"{role:8s} {str(dtype):15s} B={B} Lq={Lq} Lk={Lk} H={H} d={d} mask={mask_kind}: "
+        print(f"{role:8s} {str(dtype):15s} B={B} Lq={Lq} Lk={Lk} H={H} d={d} mask={mask_kind} mean={mean}: "
               f"finite={bool(torch.isfinite(y).all())}")
     for role, B, Lq, Lk, H, d in (("short", 2, 1, 150, 2, 64), ("base", 2, 70, 77, 2, 40),
                                   ("long", 1, 130, 300, 2, 64), ("few_keys", 2, 100, 77, 2, 64)):
