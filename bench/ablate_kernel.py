@@ -55,8 +55,8 @@ CUTS = {  # name -> (what it removes, [(old, new), ...])
     "no_max": ("the row max (its chain and its shuffles; m = 0)",
                [("      mx = fmaxf(mx, __shfl_xor_sync(FULL_WARP, mx, 1));\n"
                  "      mx = fmaxf(mx, __shfl_xor_sync(FULL_WARP, mx, 2));\n", ""),
-                ("        if (FILL != FILL_ANY || nt / 2 * 16 < valid) mx = fmaxf(",
-                 "        if (false) mx = fmaxf(")]),
+                ("        if (FILL != FILL_ANY || nt / 2 * 16 < valid)\n          mx = fmaxf(",
+                 "        if (false)\n          mx = fmaxf(")]),
 }
 
 

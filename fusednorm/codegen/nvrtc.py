@@ -1,8 +1,8 @@
 """Compile CUDA C++ to a cubin for one GPU arch with NVRTC (through cuda-python), and read ptxas's report."""
 from __future__ import annotations
 
-import logging
 import hashlib
+import logging
 import re
 import time
 from dataclasses import dataclass
@@ -74,8 +74,8 @@ def compile_to_cubin(source: str, kernel_name: str, arch: int) -> tuple[bytes, R
     cubin, log_text, ptx = _compile(source, kernel_name, arch)
     seen = (arch, hashlib.sha256(ptx).hexdigest())
     if "Used " not in log_text and seen in _usage_by_ptx:
-        # On the GPU machine NVRTC hands back its earlier build of identical PTX without running ptxas again, and
-        # so without ptxas's report (a source edit the preprocessor drops, e.g.): that build's report holds.
+        # NVRTC may hand back its earlier build of identical PTX without running ptxas again, and so without
+        # ptxas's report (seen on the GPU machine for a source edit the compiler drops): that build's report holds.
         usage = _usage_by_ptx[seen]
     else:
         usage = parse_ptxas_report(log_text, kernel_name)

@@ -63,8 +63,8 @@ static_assert(BLOCK_N % 16 == 0 && HEAD_DIM % 8 == 0, "tile shape");
 
 // Shared memory, in bytes: K stages, V stages, (Q_IN_SMEM only) one Q tile per warp, STAGES x-slice slots (a
 // head's x slice lives from its first stage to its epilogue, which also stages y there), per-row statistics, (key
-// split only) the warps' partial row sums and the partial softmax states to merge, and STAGES slots for a head's norm parameters (gamma and beta,
-// or u and b').
+// split only) the warps' partial row sums and the partial softmax states to merge, and STAGES slots for a head's
+// norm parameters (gamma and beta, or u and b').
 constexpr bool AFFINE_WIDE = Q_FROM_QRAW || AFFINE_IS_F32;  // fp32 parameters, else two 16-bit ones per register
 constexpr bool HAS_SCALE_VEC = Q_FROM_QRAW ? !NORM_IS_RMS : HAS_GAMMA;  // gamma, or u
 constexpr bool HAS_SHIFT_VEC = Q_FROM_QRAW || HAS_BETA;                 // beta, or b'
@@ -577,7 +577,8 @@ FN_INLINE void attend_tile(const Params& p, const QSource& src,
       float mx = neg_inf();
 #pragma unroll
       for (int nt = 0; nt < S_NTILES; ++nt)
-        if (FILL != FILL_ANY || nt / 2 * 16 < valid) mx = fmaxf(mx, fmaxf(s[mt][nt][2 * half], s[mt][nt][2 * half + 1]));
+        if (FILL != FILL_ANY || nt / 2 * 16 < valid)
+          mx = fmaxf(mx, fmaxf(s[mt][nt][2 * half], s[mt][nt][2 * half + 1]));
       mx = fmaxf(mx, __shfl_xor_sync(FULL_WARP, mx, 1));
       mx = fmaxf(mx, __shfl_xor_sync(FULL_WARP, mx, 2));
       const float m_new = first ? mx : fmaxf(m[mt][half], mx);
