@@ -1,9 +1,9 @@
 """Compile CUDA C++ to a cubin for one GPU arch with NVRTC (through cuda-python), and read ptxas's report."""
 from __future__ import annotations
 
-import hashlib
 import logging
 import re
+import struct
 import time
 from dataclasses import dataclass
 
@@ -17,8 +17,8 @@ class NvrtcError(RuntimeError):
 @dataclass(frozen=True)
 class ResourceUsage:
     registers: int
-    spill_stores: int     # bytes
-    spill_loads: int      # bytes
+    spill_stores: int | None  # bytes; None: not known (read from the cubin, see usage_from_cubin)
+    spill_loads: int | None   # bytes; None likewise
     stack_frame: int      # bytes
     static_smem: int      # bytes (the kernels use dynamic shared memory; see KernelSpec.smem_bytes)
 
@@ -71,24 +71,62 @@ def compile_to_cubin(source: str, kernel_name: str, arch: int) -> tuple[bytes, R
     """Compile ``source`` for sm_{arch}; returns (cubin, ptxas resource usage of ``kernel_name``, compiler log)."""
     log.info("fusednorm: compiling %s with NVRTC %s for sm_%d", kernel_name, nvrtc_version(), arch)
     t0 = time.perf_counter()
-    cubin, log_text, ptx = _compile(source, kernel_name, arch)
-    seen = (arch, hashlib.sha256(ptx).hexdigest())
-    if "Used " not in log_text and seen in _usage_by_ptx:
-        # NVRTC may hand back its earlier build of identical PTX without running ptxas again, and so without
-        # ptxas's report (seen on the GPU machine for a source edit the compiler drops): that build's report holds.
-        usage = _usage_by_ptx[seen]
-    else:
+    cubin, log_text = _compile(source, kernel_name, arch)
+    if "Used " in log_text:
         usage = parse_ptxas_report(log_text, kernel_name)
-        _usage_by_ptx[seen] = usage
+    else:
+        # On a machine with a GPU driver, NVRTC serves a build it has made before (in any process) from the CUDA
+        # compute cache without running ptxas, and so without ptxas's report: read what the cubin records instead.
+        usage = usage_from_cubin(cubin, kernel_name)
     log.debug("fusednorm: %s compiled in %.2f s: %s", kernel_name, time.perf_counter() - t0, usage)
     return cubin, usage, log_text
 
 
-_usage_by_ptx: dict[tuple[int, str], ResourceUsage] = {}  # (arch, PTX hash) -> ptxas's report, this process
+# .nv.info attributes (format 0x04: u8 format, u8 attribute, u16 size, payload), each keyed by a symbol index
+_EIATTR_FRAME_SIZE, _EIATTR_REGCOUNT = 0x11, 0x2F
 
 
-def _compile(source: str, kernel_name: str, arch: int) -> tuple[bytes, str, bytes]:
-    """(cubin, compiler log, PTX) of one NVRTC compile."""
+def usage_from_cubin(cubin: bytes, kernel_name: str) -> ResourceUsage:
+    """Registers and stack frame of ``kernel_name`` as its cubin's .nv.info section records them (spill bytes are
+    not recorded there: None)."""
+    sections = _elf_sections(cubin)
+    symtab = sections.get(".symtab")
+    if symtab is None or ".nv.info" not in sections:
+        raise NvrtcError(f"fusednorm: the cubin of {kernel_name} has no .symtab or .nv.info section")
+    strtab = sections[".strtab"]
+    index = None
+    for i in range(len(symtab) // 24):  # Elf64_Sym: u32 name, u8 info, u8 other, u16 shndx, u64 value, u64 size
+        name_off = struct.unpack_from("<I", symtab, 24 * i)[0]
+        if strtab[name_off:strtab.index(b"\0", name_off)] == kernel_name.encode():
+            index = i
+    info, found, at = sections[".nv.info"], {}, 0
+    while at + 4 <= len(info):
+        fmt, attr, size = info[at], info[at + 1], struct.unpack_from("<H", info, at + 2)[0]
+        if fmt != 0x04:  # the other formats carry their value in the size field: nothing follows
+            at += 4
+            continue
+        if size >= 8 and attr in (_EIATTR_FRAME_SIZE, _EIATTR_REGCOUNT):
+            symbol, value = struct.unpack_from("<II", info, at + 4)
+            if symbol == index:
+                found[attr] = value
+        at += 4 + size
+    if _EIATTR_REGCOUNT not in found:
+        raise NvrtcError(f"fusednorm: no ptxas report for {kernel_name}, and its cubin records no register count")
+    return ResourceUsage(registers=found[_EIATTR_REGCOUNT], spill_stores=None, spill_loads=None,
+                         stack_frame=found.get(_EIATTR_FRAME_SIZE, 0), static_smem=0)
+
+
+def _elf_sections(elf: bytes) -> dict[str, bytes]:
+    """Name -> contents of an ELF64 (little-endian) file's sections."""
+    shoff = struct.unpack_from("<Q", elf, 0x28)[0]
+    entsize, count, names_at = struct.unpack_from("<HHH", elf, 0x3A)
+    headers = [struct.unpack_from("<IIQQQQIIQQ", elf, shoff + i * entsize) for i in range(count)]
+    names = elf[headers[names_at][4]:headers[names_at][4] + headers[names_at][5]]
+    return {names[h[0]:names.index(b"\0", h[0])].decode(): elf[h[4]:h[4] + h[5]] for h in headers}
+
+
+def _compile(source: str, kernel_name: str, arch: int) -> tuple[bytes, str]:
+    """(cubin, compiler log) of one NVRTC compile."""
     from cuda.bindings import nvrtc
 
     err, prog = nvrtc.nvrtcCreateProgram(source.encode(), f"{kernel_name}.cu".encode(), 0, [], [])
@@ -108,11 +146,6 @@ def _compile(source: str, kernel_name: str, arch: int) -> tuple[bytes, str, byte
         cubin = b" " * size
         (err,) = nvrtc.nvrtcGetCUBIN(prog, cubin)
         _check(err, "nvrtcGetCUBIN")
-        err, size = nvrtc.nvrtcGetPTXSize(prog)
-        _check(err, "nvrtcGetPTXSize")
-        ptx = b" " * size
-        (err,) = nvrtc.nvrtcGetPTX(prog, ptx)
-        _check(err, "nvrtcGetPTX")
     finally:
         nvrtc.nvrtcDestroyProgram(prog)
-    return cubin, log_text, ptx
+    return cubin, log_text
