@@ -10,22 +10,30 @@ import csv
 import sys
 
 
+PREFIXES = (  # sampled warp states (SourceCounters), else the per-issue averages (WarpStateStats)
+    ("smsp__pcsamp_warps_issue_stalled_", ""),
+    ("smsp__average_warps_issue_stalled_", "_per_issue_active.ratio"),
+)
+
+
 def stall_shares(text: str) -> list[tuple[str, float]]:
+    """(reason, share of all stalls), largest first, from the raw page's CSV: a row of metric names, a row of
+    units, then one row per profiled kernel (the first is read)."""
     rows = [r for r in csv.reader(text.splitlines()) if r]
-    header = next(r for r in rows if "ID" in r and any("issue_stalled" in c for c in r))
-    values = rows[rows.index(header) + 2]  # a units row sits between the names and the first kernel's values
-    samples = {}
-    for name, value in zip(header, values):
-        if name.startswith("smsp__pcsamp_warps_issue_stalled_") and not name.endswith("_not_issued"):
-            try:
-                samples[name.removeprefix("smsp__pcsamp_warps_issue_stalled_")] = float(value.replace(",", ""))
-            except ValueError:
-                pass
-    if not samples:
-        raise SystemExit("no smsp__pcsamp_warps_issue_stalled_* metrics on this page (was WarpStateStats collected?); "
-                         "stall-like names: " + ", ".join(c for c in header if "stall" in c)[:2000])
-    total = sum(samples.values()) or 1.0
-    return sorted(((k, v / total) for k, v in samples.items()), key=lambda kv: -kv[1])
+    header_at = next(i for i, r in enumerate(rows) if any("issue_stalled" in c for c in r))
+    header, values = rows[header_at], rows[header_at + 2]
+    for prefix, suffix in PREFIXES:
+        samples = {}
+        for name, value in zip(header, values):
+            if name.startswith(prefix) and name.endswith(suffix) and "not_issued" not in name:
+                try:
+                    samples[name[len(prefix):len(name) - len(suffix)]] = float(value.replace(",", ""))
+                except ValueError:
+                    pass
+        if samples:
+            total = sum(samples.values()) or 1.0
+            return sorted(((k, v / total) for k, v in samples.items()), key=lambda kv: -kv[1])
+    raise SystemExit("no warp-stall metrics on this page (were WarpStateStats / SourceCounters collected?)")
 
 
 def main():

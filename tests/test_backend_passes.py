@@ -92,6 +92,25 @@ def test_canonicalize_keeps_an_identity_op_that_guards_an_in_place_update():
     assert torch.equal(gm(x.clone())[0], expected)
 
 
+def test_canonicalize_keeps_a_contiguous_whose_layout_is_relied_on():
+    """Dropped where values are all that matter (matmul, or a .view() that becomes a reshape), kept where the
+    strides matter: a graph output, whose caller may .view() it."""
+    def layouts(x):
+        inner = torch.matmul(x.transpose(0, 1).contiguous(), x)      # droppable: matmul takes any strides
+        flat = x.t().contiguous().view(-1)                            # droppable: the view becomes a reshape
+        return x.transpose(0, 1).contiguous(), inner, flat            # the caller gets a contiguous tensor
+
+    x = torch.randn(4, 3)
+    gm = dynamo_graph(layouts, x)
+    passes.canonicalize.run(gm, context())
+    gm.recompile()
+    out, inner, flat = gm(x)
+    assert out.is_contiguous() and torch.equal(out, x.t()) and torch.equal(flat, x.t().reshape(-1))
+    assert torch.equal(inner, x.t() @ x)
+    kept = [n for n in gm.graph.nodes if n.op == "call_method" and n.target == "contiguous"]
+    assert len(kept) == 1 and any(u.op == "output" for u in kept[0].users)
+
+
 def test_what_runs_on_cuda(monkeypatch):
     import fusednorm.dispatch as dispatch
 

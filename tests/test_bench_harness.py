@@ -184,3 +184,17 @@ def test_sass_profile_groups_an_ncu_sass_page():
     assert [i.opcode for i in instrs] == ["LDC", "HMMA", "HMMA", "SHF"]  # the predicate guard is not the opcode
     assert sp.opcode_mix(instrs) == [("HMMA", 128, 15), ("SHF", 32, 40), ("LDC", 8, 3)]
     assert sp.by_execution_count(instrs) == [(64, 2, 128), (32, 1, 32), (8, 1, 8)]
+
+
+def test_stall_reasons_reads_the_raw_page():
+    sr = _load("bench_stall_reasons", "stall_reasons.py")
+    names = ['"ID"', '"Kernel Name"', '"smsp__pcsamp_warps_issue_stalled_barrier"',
+             '"smsp__pcsamp_warps_issue_stalled_long_scoreboard"', '"smsp__pcsamp_warps_issue_stalled_wait"',
+             '"smsp__pcsamp_warps_issue_stalled_wait_not_issued"']
+    page = "\n".join([",".join(names), '"","","","","",""', '"0","pnca","1,000","3,000","4,000","9"'])
+    shares = sr.stall_shares(page)
+    assert [r for r, _ in shares] == ["wait", "long_scoreboard", "barrier"]
+    assert shares[0][1] == pytest.approx(0.5) and sum(v for _, v in shares) == pytest.approx(1.0)
+    averages = page.replace("smsp__pcsamp_warps_issue_stalled_", "smsp__average_warps_issue_stalled_").replace(
+        '_barrier"', '_barrier_per_issue_active.ratio"').replace('_scoreboard"', '_scoreboard_per_issue_active.ratio"')
+    assert [r for r, _ in sr.stall_shares(averages)] == ["long_scoreboard", "barrier"]

@@ -3,7 +3,8 @@
 Every rule preserves values exactly. Rules that need shapes or dtypes (dropping a cast to the same dtype, a reshape
 to the same shape, a multiply by 1) only run on graphs with metadata, that is on Dynamo's graphs, not on patterns.
 An identity op is only dropped when nothing in the graph mutates the tensors it connects (a dropped
-``contiguous()`` must not let an in-place op reach a tensor it did not reach before).
+``contiguous()`` must not let an in-place op reach a tensor it did not reach before), and a ``contiguous()`` stays
+where its layout is relied on (a graph output, a ``.view()``).
 """
 from __future__ import annotations
 
@@ -47,7 +48,7 @@ def canonicalize_graph(graph: torch.fx.Graph, use_meta: bool) -> int:
             continue
         if rule[0] == "drop":
             source = rule[1]
-            if node in mutated or source in mutated:
+            if node in mutated or source in mutated or _layout_matters(node, use_meta):
                 continue
             node.replace_all_uses_with(source)
             graph.erase_node(node)
@@ -326,6 +327,15 @@ def _is_view_like(node: torch.fx.Node) -> bool:
         return node.target in _VIEW_METHODS
     return node.op == "call_function" and (node.target in _VIEW_FUNCTIONS or node.target in _DROPOUTS
                                            or node.target is torch.dropout)
+
+
+def _layout_matters(node: torch.fx.Node, use_meta: bool) -> bool:
+    """A contiguous() whose result leaves the graph (the caller may .view() it) stays, and so does one feeding a
+    .view() that will not become a reshape: there its strides, not only its values, are relied on."""
+    if node.op != "call_method" or node.target != "contiguous":
+        return False
+    return any(u.op == "output" or (u.op == "call_method" and u.target in ("view", "view_as")
+                                    and _canonical_form(u, use_meta) is None) for u in node.users)
 
 
 def _mutated_aliases(graph: torch.fx.Graph) -> set[torch.fx.Node]:
