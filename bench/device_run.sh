@@ -39,6 +39,6 @@ for step in $STEPS; do
         ncu -i "$OUT/$shape.ncu-rep" --page raw --csv 2>/dev/null | python3 bench/stall_reasons.py | tee "$OUT/${shape}_stalls.txt"
         python3 bench/sass_profile.py "$OUT/${shape}_sass.csv" --per $per | tee "$OUT/${shape}_sass_summary.txt" | head -30
       done ;;
-    models) timeout ${MODELS_TIMEOUT:-330} python3 bench/models.py --out "$OUT" --models ${MODELS:-unet,whisper,torch,t5} 2>&1 | tee "$OUT/models.log" | tail -8 ;;
+    models) timeout ${MODELS_TIMEOUT:-330} python3 bench/models.py --out "$OUT" --models ${MODELS:-torch,whisper,t5,unet} 2>&1 | tee "$OUT/models.log" | tail -8 ;;
   esac
 done

@@ -75,7 +75,7 @@ def torch_decoder(device, dtype):
     return "nn.TransformerDecoder norm_first (6 x d1024 h16, B8, Lq 1024, Lk 77)", model, inputs, lambda out: out
 
 
-MODELS = {"whisper": whisper_base, "t5": t5_base, "unet": unet_sd15, "torch": torch_decoder}
+MODELS = {"torch": torch_decoder, "whisper": whisper_base, "t5": t5_base, "unet": unet_sd15}  # quickest first
 LIBRARY = {"whisper": "transformers", "t5": "transformers", "unet": "diffusers"}  # what each builder imports
 
 
@@ -167,8 +167,9 @@ def bench_one(name, device, dtype, rounds=20):
     return row
 
 
-def run_models(names, device, dtype, rounds=20):
-    """One row per model; a missing library skips its model, any other failure is recorded, and the rest run."""
+def run_models(names, device, dtype, rounds=20, save=None):
+    """One row per model; a missing library skips its model, any other failure is recorded, and the rest run.
+    ``save(rows)`` runs after each model, so a run cut short by a time limit keeps the models it finished."""
     rows = []
     for name in names:
         lib = LIBRARY.get(name)
@@ -181,6 +182,8 @@ def run_models(names, device, dtype, rounds=20):
         except Exception as e:  # one model's failure is reported, the others still run
             rows.append({"model": name, "error": f"{type(e).__name__}: {e}"})
             print(json.dumps(rows[-1]), flush=True)
+        if save is not None:
+            save(rows)
         torch._dynamo.reset()  # drop the compiled code (and the model its guards hold) before the next model
         if device == "cuda":
             torch.cuda.empty_cache()
@@ -199,11 +202,14 @@ def main():
     if unknown:
         p.error(f"unknown model(s) {', '.join(unknown)}; known: {', '.join(MODELS)}")
     os.makedirs(args.out, exist_ok=True)
-    rows = run_models(args.models.split(","), "cuda", dtype, args.rounds)
     meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "dtype": args.dtype,
             "date": time.strftime("%Y-%m-%d"), "fusednorm": fusednorm.__version__}
-    with open(os.path.join(args.out, "models.json"), "w") as f:
-        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+
+    def save(rows):
+        with open(os.path.join(args.out, "models.json"), "w") as f:
+            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+
+    rows = run_models(args.models.split(","), "cuda", dtype, args.rounds, save)
     print(f"\n{meta}\n")
     print("GPU ms from CUDA-graph replay (call ms: one ordinary forward, host costs included)\n")
     print("| model | eager | Inductor | fusednorm | vs Inductor | fused blocks | rel L2 (fusednorm vs eager) "

@@ -171,6 +171,16 @@ def test_models_skip_a_missing_library(monkeypatch, capsys):
     assert "skipping unet" in capsys.readouterr().out
 
 
+def test_models_saves_after_each_model(monkeypatch):
+    """A run cut short by its time limit keeps every model it finished: rows are saved after each one."""
+    models = _load("bench_models", "models.py")
+    monkeypatch.setattr(models, "bench_one", lambda name, *a: {"model": name, "eager_ms": 1.0})
+    monkeypatch.setattr(models, "LIBRARY", {})
+    saved = []
+    rows = models.run_models(["torch", "whisper"], "cpu", torch.float32, save=lambda r: saved.append(list(r)))
+    assert saved == [rows[:1], rows] and [r["model"] for r in rows] == ["torch", "whisper"]
+
+
 def test_sass_profile_groups_an_ncu_sass_page():
     sp = _load("sass_profile", "sass_profile.py")
     page = ('"Kernel Name","pnca_bf16_d64",\n'
