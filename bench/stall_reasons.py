@@ -2,7 +2,8 @@
 
     ncu -i seed.ncu-rep --page raw --csv | python bench/stall_reasons.py
 
-Prints each reason's share of the sampled warp states (the WarpStateStats section collects them), largest first.
+Prints each reason's share of the stalls, largest first: from the sampled warp states (SourceCounters), else from
+the per-issue averages (WarpStateStats).
 """
 from __future__ import annotations
 
