@@ -22,18 +22,26 @@ from fusednorm.codegen import select, spec as spec_mod  # noqa: E402
 from fusednorm.codegen.spec import TileConfig  # noqa: E402
 
 T = TileConfig
+WG = dict(wgmma=True)  # sm_90 only: the warpgroup mma (head dims 64 and 128)
 CANDIDATES = {  # role -> candidate tiles, each with the __launch_bounds__ minimum CTAs per SM it is built with
     "long": [(T(4, 2, 64, 1, 2), 1), (T(4, 2, 64, 1, 3), 1), (T(4, 1, 64, 1, 2), 3), (T(4, 1, 64, 1, 3), 2),
-             (T(8, 1, 64, 1, 2), 2), (T(8, 1, 64, 1, 3), 1), (T(4, 1, 128, 1, 2), 1)],
-    "base": [(T(4, 1, 64, 1, 2), 3), (T(4, 1, 128, 1, 2), 1), (T(4, 1, 64, 1, 3), 3)],
+             (T(8, 1, 64, 1, 2), 2), (T(8, 1, 64, 1, 3), 1), (T(4, 1, 128, 1, 2), 1),
+             (T(8, 1, 64, 1, 2, **WG), 1), (T(8, 1, 64, 1, 3, **WG), 1), (T(8, 1, 128, 1, 2, **WG), 1),
+             (T(4, 1, 64, 1, 2, **WG), 3), (T(4, 1, 64, 1, 3, **WG), 2), (T(4, 1, 128, 1, 2, **WG), 2),
+             (T(4, 1, 128, 1, 3, **WG), 1)],
+    "base": [(T(4, 1, 64, 1, 2), 3), (T(4, 1, 128, 1, 2), 1), (T(4, 1, 64, 1, 3), 3),
+             (T(4, 1, 64, 1, 2, **WG), 3), (T(8, 1, 64, 1, 2, **WG), 1)],
     "few_keys": [(T(8, 1, 80, 1, 2, True), 2), (T(16, 1, 80, 1, 2, True), 1), (T(4, 1, 80, 1, 2, True), 3),
                  (T(4, 2, 80, 1, 2, True), 1), (T(6, 2, 80, 1, 2, True), 2), (T(8, 2, 80, 1, 2, True), 1),
                  (T(4, 2, 64, 1, 2), 1), (T(4, 1, 64, 1, 2), 3),
-                 (T(10, 1, 80, 1, 2, True), 2), (T(6, 1, 80, 1, 2, True), 3)],  # 20 / 18 warps per SM, 96 registers
+                 (T(10, 1, 80, 1, 2, True), 2), (T(6, 1, 80, 1, 2, True), 3),  # 20 / 18 warps per SM, 96 registers
+                 (T(8, 1, 80, 1, 2, True, **WG), 2), (T(16, 1, 80, 1, 2, True, **WG), 1),
+                 (T(4, 1, 80, 1, 2, True, **WG), 3), (T(8, 1, 80, 1, 3, True, **WG), 1)],
     "short": [(T(4, 1, 16, 4, 4), 1), (T(4, 1, 32, 4, 4), 1), (T(4, 1, 16, 4, 6), 1), (T(8, 1, 16, 8, 4), 1),
               (T(4, 1, 32, 4, 3), 1), (T(8, 1, 16, 8, 3), 1)],
 }
 DEFAULT_SHAPES = "seed,sdxl64,sd15_64,t5_dec,whisper_dec,whisper_pre"
+SHAPES = {**SHAPES, "base_mid": (16, 96, 1024, 16, 300)}  # sweep only: a shape the "base" role takes
 
 
 def main():
@@ -44,6 +52,8 @@ def main():
     form = NoProjForm()
     gen = torch.Generator(device="cuda").manual_seed(0)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
+    major, minor = torch.cuda.get_device_capability(0)
+    arch = major * 10 + minor
     original = spec_mod.tile_for
     original_min_ctas = spec_mod.KernelSpec.min_ctas_per_sm
     for name in args.shapes.split(","):
@@ -53,15 +63,17 @@ def main():
         t = form.make_inputs(shape, torch.bfloat16, gen)
         ref = form.eager(**t)
         role = select.tile_role(Lq, Lk, B, H, sms)
-        print(f"{name} {shape} role={role} default={original(role, d).token}", flush=True)
+        print(f"{name} {shape} role={role} default={original(role, d, arch).token}", flush=True)
         for tile, min_ctas in CANDIDATES[role]:
             if args.only and tile.token not in args.only.split(","):
                 continue
             if d > 128 and tile.m_tiles * tile.block_n > 64 or tile.one_tile and Lk > tile.block_n:
                 continue
+            if tile.wgmma and (arch != 90 or d not in spec_mod.WGMMA_HEAD_DIMS):
+                continue
             spec_mod.KernelSpec.min_ctas_per_sm = property(lambda s, _t=tile, _m=min_ctas: _m if s.tile == _t
                                                            else original_min_ctas.fget(s))
-            codegen.tile_for = lambda r, hd, _t=tile: _t if r == role else original(r, hd)
+            codegen.tile_for = lambda r, hd, arch=80, _t=tile: _t if r == role else original(r, hd, arch)
             codegen._families.clear()
             codegen._plans.clear()
             codegen.call_plans.clear()  # cached launches hold the previous kernel

@@ -39,7 +39,7 @@ def test_grid_covers_every_dtype_head_dim_role_and_arch():
         for dtype in ("bf16", "fp16"):
             for d in HEAD_DIMS:
                 for role in TILE_ROLES:
-                    assert (dtype, d, tile_for(role, d), arch) in seen
+                    assert (dtype, d, tile_for(role, d, arch), arch) in seen
     assert {s.mask for s in GRID} == {"none", "bool", "add"}
     assert {s.norm for s in GRID} == {"layer", "rms"}
     assert len({s.key for s in GRID}) == len(GRID), "keys must name kernels uniquely"
@@ -63,6 +63,22 @@ def test_key_is_readable_and_length_free():
     assert spec.key == "pnca_bf16_d64_layer_gb_mbool_t64x64_sm90"
     rms = KernelSpec("fp16", 40, "rms", False, False, True, "add", True, tile_for("short", 40), 80, True)
     assert rms.key == "pnca_fp16_d40_rms_noaff_madd32_t16x16k4s4_sm80_chk"  # affine_f32 dropped: nothing to store
+
+
+def test_sm90_tiles_use_the_warpgroup_mma_unserialized():
+    """On sm_90 the base, long and few_keys tiles of head dims 64 and 128 issue wgmma; ptxas must keep them
+    asynchronous (it serializes them, and says so, when it cannot prove the registers in flight are left alone)."""
+    wgmma = [s for s in GRID if s.tile.wgmma]
+    assert {(s.head_dim, s.arch) for s in wgmma} == {(64, 90), (128, 90)}
+    assert all(tile_for(r, d, 90).wgmma for r in ("base", "long", "few_keys") for d in (64, 128))
+    assert not any(tile_for(r, d, 80).wgmma or tile_for(r, 40, 90).wgmma for r in TILE_ROLES for d in (64, 128))
+    for spec in (next(s for s in wgmma if s.tile.one_tile and s.head_dim == 64),
+                 next(s for s in wgmma if s.tile == tile_for("long", 128, 90))):
+        src = render(spec)
+        assert "wgmma.mma_async.sync.aligned.m64n" in src
+        _, usage, log_text = compile_to_cubin(src, spec.key, spec.arch)
+        assert "serialized" not in log_text, log_text
+        assert usage.spill_stores in (0, None)
 
 
 def test_source_needs_no_headers():

@@ -20,6 +20,7 @@ POINTERS = 11
 assert PARAMS.size == 232
 
 launch_count = 0  # kernels launched by this process; tests read it to prove the generated kernel ran
+last_launched = ""  # the key of the last kernel launched (tests read it to see which specialisation ran)
 
 
 class KernelLaunchError(RuntimeError):
@@ -130,7 +131,8 @@ def _driver():
 
 def launch(kernel: LoadedKernel, grid: int, stream: int, pointers: tuple, tail: tuple) -> None:
     """Enqueue one launch on ``stream`` (a raw cudaStream_t) with Params = ``pointers`` (11) then ``tail``."""
-    global launch_count
+    global launch_count, last_launched
+    last_launched = kernel.spec.key
     args = _args
     PARAMS.pack_into(args.params, 0, *pointers, *tail)
     argv = args.argv_address

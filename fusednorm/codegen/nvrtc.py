@@ -28,7 +28,10 @@ class ResourceUsage:
 
 
 def compile_options(arch: int) -> list[str]:
-    return [f"--gpu-architecture=sm_{arch}", "-std=c++17", "-lineinfo", "-Xptxas=-v"]
+    # sm_90 builds target sm_90a, whose warpgroup mma (wgmma) the sm_90 tiles use; such a cubin runs on sm_90 only,
+    # which is the one arch a build for 90 is ever loaded on
+    target = f"sm_{arch}a" if arch == 90 else f"sm_{arch}"
+    return [f"--gpu-architecture={target}", "-std=c++17", "-lineinfo", "-Xptxas=-v"]
 
 
 def nvrtc_version() -> str:

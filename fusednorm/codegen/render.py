@@ -30,6 +30,7 @@ def config_constants(spec: KernelSpec) -> dict:
         "KEY_SPLIT": t.key_split,
         "STAGES": t.stages,
         "ONE_TILE": t.one_tile,
+        "USE_WGMMA": t.wgmma,
         "Q_IN_SMEM": spec.q_in_smem,
         "NORM_IS_RMS": spec.norm == "rms",
         "HAS_GAMMA": spec.has_gamma,
@@ -45,6 +46,36 @@ def config_constants(spec: KernelSpec) -> dict:
     }
 
 
+def wgmma_helpers(spec: KernelSpec) -> str:
+    """The two warpgroup mma shapes a USE_WGMMA kernel issues (see templates/prelude.cu), as inline PTX: the scores
+    S = Q K^T (N = BLOCK_N keys, K read K-major) and the output O += P V (N = head dim, V read N-major: transposed B).
+    Each has one operand per accumulator register, too many to write by hand. Other kernels get empty stand-ins:
+    the calls sit in discarded ``if constexpr`` branches there, which must still name defined functions."""
+    ab = spec.dtype.replace("fp", "f")  # bf16 / f16
+    out = []
+    for name, n, trans_b in (("wgmma_scores", spec.tile.block_n, 0), ("wgmma_output", spec.head_dim, 1)):
+        if not spec.tile.wgmma:
+            out.append(f"FN_INLINE void {name}(float (&d)[{max(n // 8, 1)}][4], const u32 (&a)[4], u64 b_desc, "
+                       f"bool accumulate) {{}}  // not a wgmma kernel: never called")
+            continue
+        regs = n // 2
+        acc = ", ".join(f"%{i}" for i in range(regs))
+        a = ", ".join(f"%{regs + i}" for i in range(4))
+        operands = ", ".join(f'"+f"(d[{i // 4}][{i % 4}])' for i in range(regs))
+        out.append(
+            f"// D (64 x {n}, fp32) {'+' if trans_b else ''}= A (64 x 16, registers) * B (16 x {n}, shared memory); "
+            f"accumulate = false overwrites D.\n"
+            f"FN_INLINE void {name}(float (&d)[{n // 8}][4], const u32 (&a)[4], u64 b_desc, bool accumulate) {{\n"
+            f'  asm volatile(\n'
+            f'      "{{\\n.reg .pred acc;\\nsetp.ne.b32 acc, %{regs + 4}, 0;\\n"\n'
+            f'      "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ab}.{ab} {{{acc}}}, {{{a}}}, %{regs + 5}, acc, 1, 1, '
+            f'{trans_b};\\n}}\\n"\n'
+            f"      : {operands}\n"
+            f'      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"((u32)accumulate), "l"(b_desc));\n'
+            f"}}")
+    return "\n".join(out)
+
+
 def render(spec: KernelSpec) -> str:
     lines = [f"// fusednorm generated kernel {spec.key}", "// configuration (fusednorm/codegen/render.py)"]
     for name, value in config_constants(spec).items():
@@ -54,4 +85,6 @@ def render(spec: KernelSpec) -> str:
     parts = ["\n".join(lines)]
     for name in TEMPLATES:
         parts.append(f"// ---- templates/{name} ----\n" + _template(name))
+        if name == "prelude.cu":
+            parts.append("// ---- warpgroup mma shapes (fusednorm/codegen/render.py) ----\n" + wgmma_helpers(spec))
     return "\n\n".join(parts)

@@ -30,6 +30,7 @@ class TileConfig:
     key_split: int   # 1, or == warps: the warps share one m-tile and split each K/V stage between them
     stages: int      # cp.async pipeline depth
     one_tile: bool = False  # a head's keys all in one stage (chosen only when Lk <= block_n): nothing carried
+    wgmma: bool = False     # sm_90: QK^T and P V as warpgroup mma, B straight from shared memory (see WGMMA_HEAD_DIMS)
 
     @property
     def threads(self) -> int:
@@ -60,12 +61,25 @@ class TileConfig:
             t += f"s{self.stages}"
         if self.one_tile:
             t += "one"
+        if self.wgmma:
+            t += "wg"
         return t
 
 
-def tile_for(role: str, head_dim: int) -> TileConfig:
-    """The tile configuration a role gets for a head dim (register and shared-memory budgets decide; every one
-    fits the 163 KB an sm_80 CTA may use)."""
+WGMMA_HEAD_DIMS = (64, 128)  # K/V rows of whole 128-byte swizzle blocks: what the warpgroup mma reads as laid out
+WGMMA_ROLES = ("base", "long", "few_keys")  # not "short": its warps split the keys, a warpgroup shares them
+
+
+def tile_for(role: str, head_dim: int, arch: int = 80) -> TileConfig:
+    """The tile configuration a role gets for a head dim on a GPU arch (register and shared-memory budgets decide;
+    every one fits the 163 KB an sm_80 CTA may use). On sm_90 the roles in WGMMA_ROLES run on the warpgroup mma
+    for the head dims it takes: one m-tile per warp, so that 4 warps make one 64-row wgmma tile."""
+    if arch == 90 and head_dim in WGMMA_HEAD_DIMS and role in WGMMA_ROLES:
+        if role == "few_keys":
+            return TileConfig(warps=8, m_tiles=1, block_n=FEW_KEYS, key_split=1, stages=2, one_tile=True, wgmma=True)
+        if role == "long":  # 128 keys per stage: half the steps, and wider wgmma (-8..-10 % against 64, 12-03)
+            return TileConfig(warps=4, m_tiles=1, block_n=128, key_split=1, stages=2, wgmma=True)
+        return TileConfig(warps=4, m_tiles=1, block_n=64, key_split=1, stages=2, wgmma=True)
     if role == "short":  # keys split between warps; deep pipeline, since decode only streams K/V
         if head_dim > 128:
             return TileConfig(warps=2, m_tiles=1, block_n=16, key_split=2, stages=2)
@@ -112,6 +126,11 @@ class KernelSpec:
             raise ValueError("fusednorm: an RMS norm has no beta")
         if self.mask not in MASK_KINDS:
             raise ValueError(f"fusednorm: mask kind must be one of {MASK_KINDS}, got {self.mask!r}")
+        t = self.tile
+        if t.wgmma and not (self.arch == 90 and self.head_dim in WGMMA_HEAD_DIMS and t.m_tiles == 1
+                            and t.key_split == 1 and t.warps % 4 == 0 and t.block_n <= 256):
+            raise ValueError(f"fusednorm: tile {t.token} uses the warpgroup mma, which needs sm_90, head dim in "
+                             f"{WGMMA_HEAD_DIMS}, one m-tile per warp, whole warpgroups and no key split")
         # canonical forms, so that equal code means an equal key
         if self.q_from_qraw and (self.has_gamma or self.has_beta):  # folded into Wq': the kernel never reads them
             object.__setattr__(self, "has_gamma", False)
@@ -132,11 +151,14 @@ class KernelSpec:
     def min_ctas_per_sm(self) -> int:
         """__launch_bounds__ minimum: the memory-bound small-head base tile is worth the 3 CTAs per SM its shared
         memory allows (<= 168 registers), the few_keys tile with d <= 64 the 2 its shared memory allows (<= 128
-        registers; the plan's stage mode would spill there); elsewhere the compiler may use what it needs."""
+        registers; the plan's stage mode would spill there), the sm_90 long tile with d <= 64 likewise 2; elsewhere
+        the compiler may use what it needs."""
         t = self.tile
         if t.key_split == 1 and t.m_tiles == 1 and t.warps == 4 and t.block_n <= 64 and self.head_dim <= 64:
             return 3
         if t.one_tile and t.warps == 8 and t.m_tiles == 1 and self.head_dim <= 64 and not self.q_from_qraw:
+            return 2
+        if t.wgmma and t.warps == 4 and t.block_n == 128 and self.head_dim <= 64:  # sm_90 long: 82 KB allow 2
             return 2
         return 1
 
@@ -159,7 +181,7 @@ class KernelSpec:
         t = self.tile
         pad = (self.head_dim + 15) // 16 * 16
         row_stride = pad + 8
-        kv = 2 * t.stages * t.kv_rows * row_stride * 2
+        kv = 2 * t.stages * t.kv_rows * (self.head_dim if t.wgmma else row_stride) * 2  # wgmma: swizzled, unpadded
         q = t.warps * t.rows_per_warp * row_stride * 2 if self.q_in_smem else 0
         x_slots = t.stages * t.block_m * row_stride * 2
         stats = t.warps * t.rows_per_warp * 2 * 4 + (t.warps * 16 * 2 * 4 if t.key_split > 1 else 0)
@@ -179,17 +201,18 @@ def supported_grid(archs=ARCHS):
         for dtype in DTYPES:
             for d in HEAD_DIMS:
                 for role in TILE_ROLES:
-                    s = KernelSpec(dtype, d, "layer", True, True, True, "add", True, tile_for(role, d), arch, True)
+                    s = KernelSpec(dtype, d, "layer", True, True, True, "add", True, tile_for(role, d, arch), arch,
+                                   True)
                     specs[s.key] = s  # roles that share a tile (d = 256) share the kernel
-                base = tile_for("base", d)
+                base = tile_for("base", d, arch)
                 for s in (KernelSpec(dtype, d, "rms", True, False, False, "bool", False, base, arch, False),
                           KernelSpec(dtype, d, "layer", False, False, False, "add", False, base, arch, False),
-                          KernelSpec(dtype, d, "layer", True, True, False, "none", False, tile_for("short", d),
+                          KernelSpec(dtype, d, "layer", True, True, False, "none", False, tile_for("short", d, arch),
                                      arch, False),
                           # the projection plan's attention stage (folded Q in, o out), LayerNorm and RMS
-                          KernelSpec(dtype, d, "layer", False, False, False, "add", True, tile_for("long", d), arch,
+                          KernelSpec(dtype, d, "layer", False, False, False, "add", True, tile_for("long", d, arch), arch,
                                      True, q_from_qraw=True, write_o=True),
-                          KernelSpec(dtype, d, "rms", False, False, False, "bool", False, tile_for("short", d), arch,
+                          KernelSpec(dtype, d, "rms", False, False, False, "bool", False, tile_for("short", d, arch), arch,
                                      False, q_from_qraw=True, write_o=True),
                           KernelSpec(dtype, d, "layer", True, True, False, "none", False, base, arch, False,
                                      write_o=True)):

@@ -23,6 +23,7 @@ CASES = [  # (role, dtype, B, Lq, Lk, H, d, mask, mean of x in units of its std)
     ("short", torch.float16, 1, 5, 77, 2, 256, "bool", 0.0),
     ("base", torch.bfloat16, 2, 70, 77, 2, 40, "add", 0.0),
     ("base", torch.float16, 1, 33, 19, 2, 256, None, 0.0),
+    ("base", torch.bfloat16, 1, 70, 100, 2, 128, "bool", 0.0),  # sm_90: the warpgroup mma (d 64 and 128)
     ("long", torch.bfloat16, 1, 130, 300, 2, 64, "bool", 0.0),
     ("long", torch.bfloat16, 1, 129, 100, 2, 128, None, 0.0),
     ("few_keys", torch.bfloat16, 2, 140, 77, 3, 64, "add", 0.0),

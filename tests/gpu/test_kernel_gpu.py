@@ -20,7 +20,8 @@ if not torch.cuda.is_available():
 import fusednorm  # noqa: E402
 from fusednorm import codegen  # noqa: E402
 from fusednorm.codegen import cache, launch, select  # noqa: E402
-from fusednorm.codegen.spec import HEAD_DIMS, TILE_ROLES, KernelSpec, tile_for  # noqa: E402
+from fusednorm.codegen.spec import (HEAD_DIMS, TILE_ROLES, WGMMA_HEAD_DIMS, WGMMA_ROLES, KernelSpec,  # noqa: E402
+                                    tile_for)
 from fusednorm.reference import reference_pre_norm_cross_attn  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -43,12 +44,35 @@ def _arch():
     return major * 10 + minor
 
 
-def _family_specs(dtype, d, norm_variant, mask, mask_f32=False, check=False):
+# On sm_90 the native tiles of head dims 64 and 128 use the warpgroup mma; the sm_80 tiles (mma.sync, what every
+# other GPU runs) are tested there too, swapped in through codegen.tile_for.
+TILE_SETS = ["native"] + (["sm80_tiles"] if _arch() == 90 else [])
+
+
+def _tiles_of(tile_set):
+    return (lambda role, d, arch=80: tile_for(role, d, 80)) if tile_set == "sm80_tiles" else tile_for
+
+
+def _forget_loaded_kernels():
+    codegen._families.clear()  # families are keyed without the tile choice: drop them when it changes
+    codegen._plans.clear()
+    codegen.call_plans.clear()
+
+
+@pytest.fixture(params=TILE_SETS)
+def tile_set(request, monkeypatch):
+    _forget_loaded_kernels()
+    monkeypatch.setattr(codegen, "tile_for", _tiles_of(request.param))
+    yield request.param
+    _forget_loaded_kernels()
+
+
+def _family_specs(dtype, d, norm_variant, mask, mask_f32=False, check=False, tiles=tile_for):
     norm = "rms" if norm_variant == "rms" else "layer"
     has_g = norm_variant in ("layer_affine", "rms")
     has_b = norm_variant == "layer_affine"
     kind = "none" if mask == "none" else ("bool" if mask == "bool" else "add")
-    return [KernelSpec(dtype, d, norm, has_g, has_b, False, kind, mask_f32, tile_for(r, d), _arch(), check)
+    return [KernelSpec(dtype, d, norm, has_g, has_b, False, kind, mask_f32, tiles(r, d, _arch()), _arch(), check)
             for r in TILE_ROLES]
 
 
@@ -56,8 +80,8 @@ def _family_specs(dtype, d, norm_variant, mask, mask_f32=False, check=False):
 def compiled_kernels():
     """Compile every kernel this file needs up front, in parallel, so the cases themselves only launch."""
     specs = []
-    for dtype, d, norm, mask in itertools.product(DTYPES, HEAD_DIMS, NORMS, MASKS):
-        specs += _family_specs(dtype, d, norm, mask)
+    for tiles, dtype, d, norm, mask in itertools.product(TILE_SETS, DTYPES, HEAD_DIMS, NORMS, MASKS):
+        specs += _family_specs(dtype, d, norm, mask, tiles=_tiles_of(tiles))
     specs += _family_specs("bf16", 64, "layer_affine", "none", check=True)
     specs += _family_specs("bf16", 64, "layer_affine", "add", mask_f32=True)
     with ThreadPoolExecutor(max(2, os.cpu_count() or 2)) as pool:
@@ -137,7 +161,7 @@ _LENGTHS = list(itertools.product(Q_LENS, K_LENS))
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("d", HEAD_DIMS)
-def test_grid(dtype, d):
+def test_grid(dtype, d, tile_set):
     gen = torch.Generator(device=DEV).manual_seed(int.from_bytes(os.urandom(4), "little"))
     for i, (norm_variant, mask) in enumerate(itertools.product(NORMS, MASKS)):
         Lq, Lk = _LENGTHS[(i + HEAD_DIMS.index(d)) % len(_LENGTHS)]
@@ -153,13 +177,15 @@ def test_every_odd_length_pair(dtype):
 
 
 @pytest.mark.parametrize("role", TILE_ROLES)
-def test_each_tile_role_on_every_head_dim(role, monkeypatch):
+def test_each_tile_role_on_every_head_dim(role, monkeypatch, tile_set):
     monkeypatch.setattr(select, "force_role", role)
     gen = torch.Generator(device=DEV).manual_seed(int.from_bytes(os.urandom(4), "little"))
     Lk = 300 if role != "few_keys" else 77  # few_keys takes at most 80 keys (more fall back to base)
     for d in HEAD_DIMS:
         for mask in ("none", "add"):
             check_case(torch.bfloat16, 2, 77, Lk, 2, d, "layer_affine", mask, gen)
+            wgmma = tile_set == "native" and _arch() == 90 and d in WGMMA_HEAD_DIMS and role in WGMMA_ROLES
+            assert launch.last_launched.endswith("wg_sm90") == wgmma, launch.last_launched
     if role == "few_keys":  # every key count up to the stage, including a full one (no edge n-tile)
         for Lk in (1, 15, 16, 17, 64, 79, 80):
             check_case(torch.float16, 3, 130, Lk, 3, 64, "rms", "bool", gen)
@@ -275,3 +301,24 @@ def test_works_under_cuda_graph_capture():
     torch.cuda.synchronize()
     assert torch.equal(out, fused(x, k, v, g, b, None, "layer"))
     assert not torch.equal(out, expected)
+
+
+@pytest.mark.parametrize("role", ["few_keys", "base", "long"])
+@pytest.mark.parametrize("d", [64, 128])
+def test_operand_layouts(role, d, monkeypatch, tile_set):
+    """Each matmul on its own, with inputs that make the other one trivial (a layout slip in one shows here by
+    name): K = 0 makes P uniform, so o is the mean of V's rows (P V alone); V = I makes o the softmax row itself
+    (Q K^T alone). Max error on y - x within 2x eager's (+ y's rounding)."""
+    monkeypatch.setattr(select, "force_role", role)
+    gen = torch.Generator(device=DEV).manual_seed(int.from_bytes(os.urandom(4), "little"))
+    Lk = 77 if role == "few_keys" else d  # V = I needs Lk = d; few_keys takes at most 80 keys
+    x, k, v, g, b, _ = make_inputs(torch.bfloat16, 2, 130, Lk, 2, d, gen=gen)
+    mean_v = v.double().mean(2).unsqueeze(2).expand(2, 2, 130, d).transpose(1, 2).reshape(2, 130, 2 * d)
+    eye = torch.eye(d, device=DEV, dtype=torch.bfloat16).expand(2, 2, d, d)
+    checks = [("P V", torch.zeros_like(k), v, mean_v)]
+    if role != "few_keys":
+        checks.append(("Q K^T", k, eye, reference64(x, k, eye, g, b, None, "layer", 1e-5, None) - x.double()))
+    for what, kk, vv, want in checks:
+        err = (fused(x, kk, vv, g, b, None, "layer").double() - x.double() - want).abs().max().item()
+        err_eager = (eager_block(x, kk, vv, g, b, None, "layer", 1e-5, None).double() - x.double() - want).abs().max()
+        assert err <= 2 * err_eager.item() + 1e-3, f"{what}: max error {err:.3e}, eager {err_eager:.3e}"

@@ -16,6 +16,10 @@
 // With ONE_TILE (the run-time choice makes it so only when Lk <= BLOCK_N) a head is one step: its accumulators
 // live within the step, so none of them is carried around the loop (fewer registers, more warps per SM), and the
 // online-softmax rescale disappears.
+// With USE_WGMMA (sm_90) QK^T and P V run on the warpgroup mma: each group of 4 warps issues one 64-row wgmma per
+// k-step, A (Q, then P) from registers, B (K, then V) read by the tensor cores straight from the stage, which then
+// holds K and V in the 128-byte-swizzle layout wgmma reads instead of padded rows. No K/V fragments pass through
+// registers, and the warp's row sums of P become per-thread partial sums, added over the quad in the epilogue.
 // Each warp owns 16 * M_TILES query rows. With KEY_SPLIT > 1 (few query rows, e.g. decode) the warps share the
 // same 16 rows and split each K/V stage between them; their partial softmax states are merged in a fixed order.
 // Needs the configuration constants rendered ahead of this file (see fusednorm/codegen/render.py).
@@ -60,6 +64,8 @@ constexpr int PV_KSTEPS = BLOCK_N / 16;
 static_assert(KEY_SPLIT == 1 || (KEY_SPLIT == WARPS && M_TILES == 1), "key split shares one m-tile");
 static_assert(!ONE_TILE || KEY_SPLIT == 1, "one tile per head: every warp sees all keys");
 static_assert(BLOCK_N % 16 == 0 && HEAD_DIM % 8 == 0, "tile shape");
+static_assert(!USE_WGMMA || (M_TILES == 1 && KEY_SPLIT == 1 && WARPS % 4 == 0 && HEAD_DIM % 64 == 0 && !Q_IN_SMEM),
+              "wgmma: warps in whole warpgroups, one m-tile each, rows of whole 128-byte swizzle blocks");
 
 // Shared memory, in bytes: K stages, V stages, (Q_IN_SMEM only) one Q tile per warp, STAGES x-slice slots (a
 // head's x slice lives from its first stage to its epilogue, which also stages y there), per-row statistics, (key
@@ -69,7 +75,10 @@ constexpr bool AFFINE_WIDE = Q_FROM_QRAW || AFFINE_IS_F32;  // fp32 parameters, 
 constexpr bool HAS_SCALE_VEC = Q_FROM_QRAW ? !NORM_IS_RMS : HAS_GAMMA;  // gamma, or u
 constexpr bool HAS_SHIFT_VEC = Q_FROM_QRAW || HAS_BETA;                 // beta, or b'
 constexpr int AFFINE_SLOT_BYTES = (HAS_SCALE_VEC || HAS_SHIFT_VEC) ? 2 * HEAD_DIM * (AFFINE_WIDE ? 4 : 2) : 0;
-constexpr int KV_TILE_ELEMS = KV_ROWS * ROW_STRIDE;
+// K/V rows: padded (ROW_STRIDE) for ldmatrix, or with USE_WGMMA 64-element column blocks of KV_ROWS rows of 128
+// bytes each, 16-byte chunk c of row r at chunk c ^ (r % 8) (each stage starts on a 1024-byte boundary).
+constexpr int KV_TILE_ELEMS = KV_ROWS * (USE_WGMMA ? HEAD_DIM : ROW_STRIDE);
+constexpr int KV_ROW_BYTES = USE_WGMMA ? 128 : ROW_STRIDE * 2;  // from one row of a stage to the next
 constexpr int Q_TILE_ELEMS = ROWS_PER_WARP * ROW_STRIDE;
 constexpr int X_TILE_ELEMS = BLOCK_M * ROW_STRIDE;
 constexpr int OFF_K = 0;
@@ -83,7 +92,7 @@ constexpr int COMBINE_BYTES = KEY_SPLIT > 1 ? WARPS * 16 * (HEAD_DIM + 2) * 4 : 
 constexpr int OFF_AFFINE = OFF_COMBINE + COMBINE_BYTES;
 static_assert(OFF_AFFINE + STAGES * AFFINE_SLOT_BYTES <= SMEM_BYTES, "launch.py's shared-memory size is too small");
 
-extern __shared__ __align__(16) u8 smem[];  // carved up as above; named here so that helpers address it directly
+extern __shared__ __align__(1024) u8 smem[];  // carved up as above; named here so that helpers address it directly
 
 // ---- small vector helpers ----
 
@@ -411,7 +420,8 @@ FN_INLINE void q_fragments(const Params& p, const QSource& src, u16* q_tile,
 constexpr int COPY_ROWS = THREADS / CHUNKS;  // rows the CTA copies per pass
 
 // Keys [key_base, key_base + KV_ROWS) of one head into a stage. Rows up to the next multiple of 16 past Lk are
-// zero-filled (the mma k-steps read them); rows beyond that are never read and are not touched.
+// zero-filled (the mma k-steps read them); rows beyond that are never read and are not touched, except with
+// USE_WGMMA, whose P V runs every k-step of the stage (a branch around a wgmma makes ptxas serialize them all).
 FN_INLINE void load_kv_tile(const Params& p, int b, int head, int key_base, u16* k_stage, u16* v_stage, int tid) {
   const int r0 = tid / CHUNKS, c = (tid % CHUNKS) * 8;
   if (r0 >= COPY_ROWS) return;
@@ -421,14 +431,18 @@ FN_INLINE void load_kv_tile(const Params& p, int b, int head, int key_base, u16*
   const u16* kp = k_head + (key_base + r0) * p.k_sl + c;
   const u16* vp = v_head + (key_base + r0) * p.v_sl + c;
   const long long k_step = COPY_ROWS * p.k_sl, v_step = COPY_ROWS * p.v_sl;
-  const u32 k_dst = smem_addr(k_stage + r0 * ROW_STRIDE + c), v_dst = smem_addr(v_stage + r0 * ROW_STRIDE + c);
+  // swizzled (USE_WGMMA): rows r0 + i * COPY_ROWS share r0 % 8, so one offset serves every row of this thread
+  static_assert(!USE_WGMMA || COPY_ROWS % 8 == 0, "wgmma: a thread's rows share their swizzle");
+  const u32 dst_off = USE_WGMMA ? ((c / 64) * KV_ROWS + r0) * 128 + (((c / 8) % 8) ^ (r0 % 8)) * 16
+                                : (r0 * ROW_STRIDE + c) * 2;
+  const u32 k_dst = smem_addr(k_stage) + dst_off, v_dst = smem_addr(v_stage) + dst_off;
 #pragma unroll
   for (int i = 0; i < (KV_ROWS + COPY_ROWS - 1) / COPY_ROWS; ++i) {
     const int r = r0 + i * COPY_ROWS, key = key_base + r;
-    if ((KV_ROWS % COPY_ROWS == 0 || r < KV_ROWS) && key < kv_pad16) {
+    if ((KV_ROWS % COPY_ROWS == 0 || r < KV_ROWS) && (USE_WGMMA || key < kv_pad16)) {
       const bool in_range = key < p.kv_len;  // else: zero-fill, reading nothing (the head's base stands in)
-      cp_async16(k_dst + i * COPY_ROWS * ROW_STRIDE * 2, in_range ? kp : k_head, in_range ? 16 : 0);
-      cp_async16(v_dst + i * COPY_ROWS * ROW_STRIDE * 2, in_range ? vp : v_head, in_range ? 16 : 0);
+      cp_async16(k_dst + i * COPY_ROWS * KV_ROW_BYTES, in_range ? kp : k_head, in_range ? 16 : 0);
+      cp_async16(v_dst + i * COPY_ROWS * KV_ROW_BYTES, in_range ? vp : v_head, in_range ? 16 : 0);
     }
     kp += k_step;
     vp += v_step;
@@ -486,8 +500,39 @@ FN_INLINE void attend_tile(const Params& p, const QSource& src,
                            float (&l)[M_TILES][2], int lane) {
   const int g = lane >> 2, t2 = (lane & 3) * 2;
 
-  // S = Q K^T (fp32). Key pairs of n-tiles past the last valid 16 keys are skipped (warp-uniform branch).
+  // S = Q K^T (fp32). Key pairs of n-tiles past the last valid 16 keys are skipped (warp-uniform branch); the
+  // warpgroup mma computes them all (their scores are never read).
   float s[M_TILES][S_NTILES][4];
+  if constexpr (USE_WGMMA) {
+    u32 a[QK_KSTEPS][4];  // every k-step's fragments first: an issued wgmma reads its A registers later
+#pragma unroll
+    for (int kk = 0; kk < QK_KSTEPS; ++kk) {
+      if constexpr (ONE_TILE) {
+        u32 f[M_TILES][4];
+        q_kstep(p, src, kk, f, lane);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) a[kk][e] = f[0][e];
+      } else {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) a[kk][e] = qf[0][kk][e];
+      }
+    }
+    wgmma_fence();
+    const u32 k_base = smem_addr(k_tile);
+#pragma unroll
+    for (int kk = 0; kk < QK_KSTEPS; ++kk)  // k-step kk: 32 bytes into each row of column block kk / 4
+      wgmma_scores(s[0], a[kk], sw128_desc(k_base + (kk / 4) * KV_ROWS * 128 + (kk % 4) * 32, 16, 1024), kk > 0);
+    wgmma_commit();
+    wgmma_wait<0>();
+#pragma unroll
+    for (int nt = 0; nt < S_NTILES; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) pin(s[0][nt][e]);
+#pragma unroll
+    for (int kk = 0; kk < QK_KSTEPS; ++kk)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) pin(a[kk][e]);
+  } else {
 #pragma unroll
   for (int mt = 0; mt < M_TILES; ++mt)
 #pragma unroll
@@ -522,6 +567,7 @@ FN_INLINE void attend_tile(const Params& p, const QSource& src,
       }
     }
   }
+  }  // USE_WGMMA
 
   // The scores are in log2 units already (the scale went into Q). What is left: the rest of the scale when not all
   // of it could go into Q (never for 1/sqrt(d)), the mask, and keys past Lk, which only the edge n-tiles hold.
@@ -585,19 +631,54 @@ FN_INLINE void attend_tile(const Params& p, const QSource& src,
       const float m_use = m_new == neg_inf() ? 0.f : m_new;
       const float alpha = first ? 0.f : fast_exp2(m[mt][half] - m_use);
       m[mt][half] = m_new;
+      float row_part = 0.f;  // USE_WGMMA: this thread's share of the row sum
 #pragma unroll
       for (int nt = 0; nt < S_NTILES; ++nt) {
-        if (FILL == FILL_ANY && nt / 2 * 16 >= valid) continue;
+        if (FILL == FILL_ANY && nt / 2 * 16 >= valid) {
+          pk[mt][nt][half] = 0u;  // USE_WGMMA: p = 0 for its k-steps past the keys (mma.sync skips them)
+          continue;
+        }
         const float e0 = fast_exp2(s[mt][nt][2 * half] - m_use), e1 = fast_exp2(s[mt][nt][2 * half + 1] - m_use);
         pk[mt][nt][half] = pack2_elem(e0, e1);  // packed at once: the fp32 scores die here, not after P V
+        if constexpr (USE_WGMMA) row_part += e0 + e1;
       }
-      l[mt][half] = first ? 0.f : l[mt][half] * alpha;  // P V adds this tile's sums
+      // mma.sync: P V adds this tile's sums; wgmma: the partial sums here, over the quad in the epilogue
+      l[mt][half] = (first ? 0.f : l[mt][half] * alpha) + row_part;
+      if (!USE_WGMMA || !first) {  // a head's first wgmma P V overwrites o instead
 #pragma unroll
-      for (int nt = 0; nt < O_NTILES; ++nt) {  // o starts here on a head's first tile: not live during QK^T
-        o[mt][nt][2 * half] = first ? 0.f : o[mt][nt][2 * half] * alpha;
-        o[mt][nt][2 * half + 1] = first ? 0.f : o[mt][nt][2 * half + 1] * alpha;
+        for (int nt = 0; nt < O_NTILES; ++nt) {  // o starts here on a head's first tile: not live during QK^T
+          o[mt][nt][2 * half] = first ? 0.f : o[mt][nt][2 * half] * alpha;
+          o[mt][nt][2 * half + 1] = first ? 0.f : o[mt][nt][2 * half + 1] * alpha;
+        }
       }
     }
+
+  if constexpr (USE_WGMMA) {  // O (+)= P V: V read N-major (transposed B), 16 keys = 2048 bytes per k-step
+    u32 a[PV_KSTEPS][4];
+#pragma unroll
+    for (int ks = 0; ks < PV_KSTEPS; ++ks) {
+      a[ks][0] = pk[0][2 * ks][0];
+      a[ks][1] = pk[0][2 * ks][1];
+      a[ks][2] = pk[0][2 * ks + 1][0];
+      a[ks][3] = pk[0][2 * ks + 1][1];
+    }
+    wgmma_fence();
+    const u32 v_base = smem_addr(v_tile);
+#pragma unroll
+    for (int ks = 0; ks < PV_KSTEPS; ++ks)  // every k-step (see load_kv_tile): past the keys, p = 0 and v = 0
+      wgmma_output(o[0], a[ks], sw128_desc(v_base + ks * 16 * 128, KV_ROWS * 128, 1024), !first || ks > 0);
+    wgmma_commit();
+    wgmma_wait<0>();
+#pragma unroll
+    for (int nt = 0; nt < O_NTILES; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) pin(o[0][nt][e]);
+#pragma unroll
+    for (int ks = 0; ks < PV_KSTEPS; ++ks)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) pin(a[ks][e]);
+    return;
+  }
 
   // O += P V, and l += P 1 (the row sums land in every column of lc; rows g and g + 8 in lc[0] and lc[2]).
   const u32 ones = pack2_elem(1.f, 1.f);
@@ -662,7 +743,11 @@ FN_INLINE void store_output_rows(const Params& p, u16* y_batch, int row0, int co
   for (int mt = 0; mt < M_TILES; ++mt)
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      const float lsum = l[mt][half];
+      float lsum = l[mt][half];
+      if constexpr (USE_WGMMA) {  // per-thread partial sums: add the quad's
+        lsum += __shfl_xor_sync(FULL_WARP, lsum, 1);
+        lsum += __shfl_xor_sync(FULL_WARP, lsum, 2);
+      }
       const float inv = lsum > 0.f ? 1.f / lsum : 0.f;  // fully masked rows: o = 0
       const int r = mt * 16 + g + half * 8;
       if (row0 + r < p.q_len) {
@@ -819,7 +904,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS_PER_SM) KERNEL_NA
   u8* affine_slots = smem + OFF_AFFINE;
 
   if constexpr (HEAD_DIM_PAD > HEAD_DIM) {  // pad columns of every K/V row are read by the last k-step: zero them
-    constexpr int PAD = HEAD_DIM_PAD - HEAD_DIM;
+    constexpr int PAD = HEAD_DIM_PAD > HEAD_DIM ? HEAD_DIM_PAD - HEAD_DIM : 1;  // (1: never a divisor of 0)
     constexpr int ROWS = 2 * STAGES * KV_ROWS;  // K and V stages are contiguous
     u16* rows = reinterpret_cast<u16*>(smem + OFF_K);
     for (int i = tid; i < ROWS * PAD; i += THREADS) rows[(i / PAD) * ROW_STRIDE + HEAD_DIM + i % PAD] = 0;
@@ -851,6 +936,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS_PER_SM) KERNEL_NA
   for (int stage = 0; cur.item < p.items; stage = stage + 1 == STAGES ? 0 : stage + 1) {
     const int row0 = cur.row_block * BLOCK_M + (KEY_SPLIT > 1 ? 0 : warp * ROWS_PER_WARP);
     const bool warp_rows = row0 < p.q_len;  // false for warps entirely past the last query row
+    // a warpgroup issues its wgmma together: warps past Lq join while any warp of their group has rows (their Q
+    // fragments are zeros and they store nothing)
+    const bool attend_rows = USE_WGMMA ? cur.row_block * BLOCK_M + (warp & ~3) * ROWS_PER_WARP < p.q_len : warp_rows;
     u16* y_batch = p.y + (long long)cur.b * p.q_len * p.y_ld;
     const bool head_first = ONE_TILE || cur.tile == 0;  // compile-time true with ONE_TILE: nothing is carried
     const bool head_last = ONE_TILE || cur.tile == key_tiles - 1;
@@ -874,6 +962,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS_PER_SM) KERNEL_NA
     const int col0 = cur.head * HEAD_DIM;
 
     cp_async_wait<STAGES - 2>();
+    if constexpr (USE_WGMMA) fence_proxy_async();  // this thread's copies, visible to wgmma after the barrier
     __syncthreads();  // this step's stage is visible to all warps; the stage refilled below is free
     if constexpr (ONE_TILE) {  // the step STAGES - 1 ahead, worked out again rather than carried (registers)
       ahead = cur;
@@ -889,12 +978,12 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS_PER_SM) KERNEL_NA
     const QSource src = q_source(p, row0, col0, row_mean, row_rstd, x_warp,
                                  p.qraw + ((long long)cur.b * p.q_len + row0) * p.q_ld,
                                  x_slot(cur, stage), lane);
-    if (head_first && warp_rows) q_fragments(p, src, q_tile, qf, lane);
+    if (head_first && attend_rows) q_fragments(p, src, q_tile, qf, lane);
 
     const int warp_key_offset = KEY_SPLIT > 1 ? warp * BLOCK_N : 0;
     const int key0 = cur.tile * KV_ROWS + warp_key_offset;
     const int valid = min(BLOCK_N, p.kv_len - key0);
-    if (warp_rows && valid > 0) {
+    if (attend_rows && valid > 0) {
       const long long mask_bh = MASK_KIND != 0 ? cur.b * p.m_sb + cur.head * p.m_sh : 0;
       const u16* k_tile = k_stages + stage * KV_TILE_ELEMS + warp_key_offset * ROW_STRIDE;
       const u16* v_tile = v_stages + stage * KV_TILE_ELEMS + warp_key_offset * ROW_STRIDE;

@@ -104,6 +104,35 @@ FN_INLINE void mma_16816(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
   }
 }
 
+// ---- Hopper warpgroup mma (sm_90a; used only when USE_WGMMA) ----
+// A warpgroup (4 consecutive warps) issues one wgmma for a 64-row tile: A from registers (warp w of the group holds
+// rows 16w..16w+15 in the mma.sync A-fragment order), B read by the tensor cores from shared memory through a
+// descriptor, the fp32 accumulators in the mma.sync C-fragment order per 8 columns. It runs asynchronously: the
+// registers it reads or writes must be left alone until wgmma_wait says it is done. The two shapes a kernel issues
+// (wgmma_scores, wgmma_output) are written out by fusednorm/codegen/render.py.
+
+// Descriptor of a 128-byte-swizzled tile: rows of 128 bytes, 16-byte chunk c of row r stored at chunk c ^ (r % 8),
+// the pattern repeating every 1024 bytes from a 1024-byte-aligned base (base offset 0). stride_bytes: from one group
+// of 8 rows to the next; leading_bytes: from one 64-element column block to the next (N-major B only).
+FN_INLINE u64 sw128_desc(u32 addr, u32 leading_bytes, u32 stride_bytes) {
+  return (u64)((addr & 0x3FFFFu) >> 4) | (u64)((leading_bytes & 0x3FFFFu) >> 4) << 16 |
+         (u64)((stride_bytes & 0x3FFFFu) >> 4) << 32 | 1ull << 62;
+}
+template <int UNUSED = 0>
+FN_INLINE void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+template <int UNUSED = 0>
+FN_INLINE void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N>
+FN_INLINE void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory"); }
+// Shared memory written by cp.async (the generic proxy) becomes visible to wgmma (the async proxy) after this fence,
+// issued by the writing thread before the barrier that publishes the writes.
+template <int UNUSED = 0>
+FN_INLINE void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+// Pins a register's value at this point: reads after a wgmma_wait cannot move above it, and registers an in-flight
+// wgmma still reads are not reused before it.
+FN_INLINE void pin(float& r) { asm volatile("" : "+f"(r)::"memory"); }
+FN_INLINE void pin(u32& r) { asm volatile("" : "+r"(r)::"memory"); }
+
 // ---- math ----
 
 // 2^x with the MUFU unit; ex2.approx(-inf) is +0, which the masked softmax relies on.
