@@ -524,14 +524,8 @@ FN_INLINE void attend_tile(const Params& p, const QSource& src,
       wgmma_scores(s[0], a[kk], sw128_desc(k_base + (kk / 4) * KV_ROWS * 128 + (kk % 4) * 32, 16, 1024), kk > 0);
     wgmma_commit();
     wgmma_wait<0>();
-#pragma unroll
-    for (int nt = 0; nt < S_NTILES; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) pin(s[0][nt][e]);
-#pragma unroll
-    for (int kk = 0; kk < QK_KSTEPS; ++kk)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) pin(a[kk][e]);
+    pin_all(s[0]);
+    pin_all(a);
   } else {
 #pragma unroll
   for (int mt = 0; mt < M_TILES; ++mt)
@@ -669,14 +663,8 @@ FN_INLINE void attend_tile(const Params& p, const QSource& src,
       wgmma_output(o[0], a[ks], sw128_desc(v_base + ks * 16 * 128, KV_ROWS * 128, 1024), !first || ks > 0);
     wgmma_commit();
     wgmma_wait<0>();
-#pragma unroll
-    for (int nt = 0; nt < O_NTILES; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) pin(o[0][nt][e]);
-#pragma unroll
-    for (int ks = 0; ks < PV_KSTEPS; ++ks)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) pin(a[ks][e]);
+    pin_all(o[0]);
+    pin_all(a);
     return;
   }
 

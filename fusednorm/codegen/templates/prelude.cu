@@ -132,6 +132,13 @@ FN_INLINE void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta
 // wgmma still reads are not reused before it.
 FN_INLINE void pin(float& r) { asm volatile("" : "+f"(r)::"memory"); }
 FN_INLINE void pin(u32& r) { asm volatile("" : "+r"(r)::"memory"); }
+template <typename T, int R, int C>
+FN_INLINE void pin_all(T (&r)[R][C]) {
+#pragma unroll
+  for (int i = 0; i < R; ++i)
+#pragma unroll
+    for (int j = 0; j < C; ++j) pin(r[i][j]);
+}
 
 // ---- math ----
 
