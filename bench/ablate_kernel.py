@@ -4,7 +4,8 @@ short-key shapes in one run. The cut kernels compute wrong results on purpose; o
     PYTHONPATH=. python bench/ablate_kernel.py [--shapes seed,sdxl64,sd15_64]
 
 Each cut is an exact text replacement in the rendered source of the one-tile kernels (other roles are untouched);
-a replacement that no longer matches the template stops the run, so the cuts cannot silently go stale.
+a replacement that no longer matches the template stops the run, so the cuts cannot silently go stale. The mma cuts
+edit both the mma.sync and the warpgroup-mma (sm_90) code, so they cut whichever the GPU runs.
 """
 from __future__ import annotations
 
@@ -40,10 +41,12 @@ CUTS = {  # name -> (what it removes, [(old, new), ...])
                    [("        st_global16_stream(yp, ", "        if (p.q_len < 0) st_global16_stream(yp, ")]),
     "no_qk_mma": ("the QK^T mma (scores stay 0; Q and the K fragments are then never built)",
                   [("          mma_16816(s[mt][2 * np], a[mt], b[0], b[1]);\n"
-                    "          mma_16816(s[mt][2 * np + 1], a[mt], b[2], b[3]);\n", "")]),
+                    "          mma_16816(s[mt][2 * np + 1], a[mt], b[2], b[3]);\n", ""),
+                   ("      wgmma_scores(s[0], a[kk], ", "      if (p.q_len < 0) wgmma_scores(s[0], a[kk], ")]),
     "no_pv_mma": ("the P V mma (o stays 0; the V fragments are then never loaded)",
                   [("          mma_16816(o[mt][2 * dp], a[mt], b[0], b[1]);\n"
-                    "          mma_16816(o[mt][2 * dp + 1], a[mt], b[2], b[3]);\n", "")]),
+                    "          mma_16816(o[mt][2 * dp + 1], a[mt], b[2], b[3]);\n", ""),
+                   ("      wgmma_output(o[0], a[ks], ", "      if (p.q_len < 0) wgmma_output(o[0], a[ks], ")]),
     "no_rowsum_mma": ("the P * 1 mma that sums each row of P",
                       [("        mma_16816(lc[mt], a[mt], ones, ones);\n", "")]),
     "no_exp": ("the exponentials (p = s - m)",

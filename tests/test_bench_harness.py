@@ -208,3 +208,31 @@ def test_stall_reasons_reads_the_raw_page():
     averages = page.replace("smsp__pcsamp_warps_issue_stalled_", "smsp__average_warps_issue_stalled_").replace(
         '_barrier"', '_barrier_per_issue_active.ratio"').replace('_scoreboard"', '_scoreboard_per_issue_active.ratio"')
     assert [r for r, _ in sr.stall_shares(averages)] == ["long_scoreboard", "barrier"]
+
+
+@pytest.mark.parametrize("arch", [80, 90])
+def test_every_ablation_cut_applies_to_the_few_keys_kernel(arch, monkeypatch):
+    """bench/ablate_kernel.py edits the rendered source: each cut must match it exactly once (mma.sync and wgmma
+    text alike), and the cut kernel must still compile."""
+    pytest.importorskip("cuda.bindings.nvrtc")
+    from fusednorm.codegen.nvrtc import compile_to_cubin
+    from fusednorm.codegen.render import render
+    from fusednorm.codegen.spec import KernelSpec, tile_for
+
+    monkeypatch.setenv("FUSEDNORM_CACHE_DIR", "unused")  # the module points the cache elsewhere on import
+    sys.path.insert(0, str(BENCH))
+    try:
+        ab = _load("ablate_kernel", "ablate_kernel.py")
+    finally:
+        sys.path.remove(str(BENCH))
+    spec = KernelSpec("bf16", 64, "layer", True, True, False, "none", False, tile_for("few_keys", 64, arch), arch,
+                      False)
+    source = render(spec)
+    for name, (_, edits) in ab.CUTS.items():
+        cut = source
+        for old, new in edits:
+            assert cut.count(old) == 1, f"cut {name}: {old!r}"
+            cut = cut.replace(old, new)
+        if name in ("no_qk_mma", "no_pv_mma"):
+            assert cut != source
+            compile_to_cubin(cut, spec.key, spec.arch)
