@@ -210,10 +210,10 @@ def supported_grid(archs=ARCHS):
                           KernelSpec(dtype, d, "layer", True, True, False, "none", False, tile_for("short", d, arch),
                                      arch, False),
                           # the projection plan's attention stage (folded Q in, o out), LayerNorm and RMS
-                          KernelSpec(dtype, d, "layer", False, False, False, "add", True, tile_for("long", d, arch), arch,
-                                     True, q_from_qraw=True, write_o=True),
-                          KernelSpec(dtype, d, "rms", False, False, False, "bool", False, tile_for("short", d, arch), arch,
-                                     False, q_from_qraw=True, write_o=True),
+                          KernelSpec(dtype, d, "layer", False, False, False, "add", True, tile_for("long", d, arch),
+                                     arch, True, q_from_qraw=True, write_o=True),
+                          KernelSpec(dtype, d, "rms", False, False, False, "bool", False, tile_for("short", d, arch),
+                                     arch, False, q_from_qraw=True, write_o=True),
                           KernelSpec(dtype, d, "layer", True, True, False, "none", False, base, arch, False,
                                      write_o=True)):
                     specs[s.key] = s

@@ -118,15 +118,12 @@ FN_INLINE u64 sw128_desc(u32 addr, u32 leading_bytes, u32 stride_bytes) {
   return (u64)((addr & 0x3FFFFu) >> 4) | (u64)((leading_bytes & 0x3FFFFu) >> 4) << 16 |
          (u64)((stride_bytes & 0x3FFFFu) >> 4) << 32 | 1ull << 62;
 }
-template <int UNUSED = 0>
 FN_INLINE void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-template <int UNUSED = 0>
 FN_INLINE void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 template <int N>
 FN_INLINE void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory"); }
 // Shared memory written by cp.async (the generic proxy) becomes visible to wgmma (the async proxy) after this fence,
 // issued by the writing thread before the barrier that publishes the writes.
-template <int UNUSED = 0>
 FN_INLINE void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 // Pins a register's value at this point: reads after a wgmma_wait cannot move above it, and registers an in-flight
 // wgmma still reads are not reused before it.
