@@ -86,9 +86,7 @@ def main():
             return src
         cache.render = render
         cache._memory.clear()
-        codegen._families.clear()
-        codegen._plans.clear()
-        codegen.call_plans.clear()
+        codegen.forget_loaded_kernels()
         row = [graph_time_us(form.fused, [t], min_total_s=0.1) for t in inputs.values()]
         print(f"{cut:16s}" + "".join(f"{us:12.1f}" for us in row) + f"   {what}", flush=True)
     cache.render = original

@@ -74,9 +74,7 @@ def main():
             spec_mod.KernelSpec.min_ctas_per_sm = property(lambda s, _t=tile, _m=min_ctas: _m if s.tile == _t
                                                            else original_min_ctas.fget(s))
             codegen.tile_for = lambda r, hd, arch=80, _t=tile: _t if r == role else original(r, hd, arch)
-            codegen._families.clear()
-            codegen._plans.clear()
-            codegen.call_plans.clear()  # cached launches hold the previous kernel
+            codegen.forget_loaded_kernels()  # cached launches hold the previous kernel
             try:
                 diff = rel_diff(form.fused(**t), ref)
                 us = graph_time_us(form.fused, [t], min_total_s=0.1)
@@ -87,9 +85,7 @@ def main():
                 print(f"  {tile.token:14s} failed: {type(e).__name__}: {str(e)[:150]}", flush=True)
         codegen.tile_for = original
         spec_mod.KernelSpec.min_ctas_per_sm = original_min_ctas
-        codegen._families.clear()
-        codegen._plans.clear()
-        codegen.call_plans.clear()
+        codegen.forget_loaded_kernels()
         del t, ref
         torch.cuda.empty_cache()
 

@@ -20,7 +20,8 @@ from . import select as _select
 from .cache import get_kernel
 from .spec import HEAD_DIMS, TILE_ROLES, KernelSpec, tile_for
 
-__all__ = ["why_no_kernel", "run_kernel", "StageIO", "call_key", "call_plans", "launch_call"]
+__all__ = ["why_no_kernel", "run_kernel", "StageIO", "call_key", "call_plans", "launch_call",
+           "forget_loaded_kernels"]
 
 _KERNEL_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 _INT32_MAX = 2**31 - 1
@@ -94,6 +95,14 @@ def _family(dtype: str, d: int, norm: str, has_gamma: bool, has_beta: bool, affi
             fam = {role: _launch.load(compiled[role], device_index) for role in specs}
             _families[fkey] = fam
     return fam
+
+
+def forget_loaded_kernels() -> None:
+    """Drop the loaded kernel families, launch plans and cached calls (not the disk cache), so that the next call
+    builds them again: for tests and benchmarks that change what a family is made of (``tile_for``)."""
+    _families.clear()
+    _plans.clear()
+    call_plans.clear()
 
 
 # ---- per-call preparation ----

@@ -53,18 +53,12 @@ def _tiles_of(tile_set):
     return (lambda role, d, arch=80: tile_for(role, d, 80)) if tile_set == "sm80_tiles" else tile_for
 
 
-def _forget_loaded_kernels():
-    codegen._families.clear()  # families are keyed without the tile choice: drop them when it changes
-    codegen._plans.clear()
-    codegen.call_plans.clear()
-
-
 @pytest.fixture(params=TILE_SETS)
 def tile_set(request, monkeypatch):
-    _forget_loaded_kernels()
+    codegen.forget_loaded_kernels()  # families are keyed without the tile choice: drop them when it changes
     monkeypatch.setattr(codegen, "tile_for", _tiles_of(request.param))
     yield request.param
-    _forget_loaded_kernels()
+    codegen.forget_loaded_kernels()
 
 
 def _family_specs(dtype, d, norm_variant, mask, mask_f32=False, check=False, tiles=tile_for):
