@@ -3,7 +3,8 @@
 #   gpu: GPU tests; bench: the block benchmark (noproj form); benchproj: the same for the proj form (Wq/Wo);
 #   cpu: the CPU suite under that machine's torch; models: whole models (Whisper, T5, SD-1.5 UNet, torch decoder;
 #   one whose library is missing is skipped); ncu: the seed shape under Nsight Compute, with the per-instruction
-#   summary of bench/sass_profile.py. benchproj, sweep, ablate (bench/ablate_kernel.py),
+#   summary of bench/sass_profile.py; host: host time per op call (bench/host_profile_plan.py). benchproj, sweep,
+#   ablate (bench/ablate_kernel.py), host,
 #   sanitize and ncu run only when STEPS names them.
 #   OUT=<dir> [STEPS="gpu bench cpu models"] [SWEEP_SHAPES=t5_dec,...] [NCU_SHAPES="seed sdxl64"] bash bench/device_run.sh
 #   (wheels under .whl/ are installed first: carry diffusers there, the GPU machine lacks it)
@@ -25,6 +26,7 @@ for step in $STEPS; do
         timeout 100 compute-sanitizer --tool $tool python3 tests/gpu/sanitize_kernels.py > "$OUT/$tool.log" 2>&1
         echo "$tool: exit $?, $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/$tool.log")"
       done ;;
+    host) timeout 120 python3 bench/host_profile_plan.py 2>&1 | tee "$OUT/host_profile.log" | head -30 ;;
     bench) timeout 150 python3 bench/bench_block.py --form noproj --out "$OUT" 2>&1 | tee "$OUT/bench_block.log" | tail -12 ;;
     benchproj) timeout 200 python3 bench/bench_block.py --form proj --out "$OUT" 2>&1 | tee "$OUT/bench_proj.log" | tail -12 ;;
     cpu) timeout 100 python3 -m pytest tests -q -m "not gpu" -n 8 -p no:cacheprovider 2>&1 | tee "$OUT/cpu_tests.log" | tail -4 ;;

@@ -136,11 +136,14 @@ def bench_one(name, device, dtype, rounds=20):
         ref = pick(model(**inputs)).float()
         fns = {"eager": lambda: model(**inputs)}
         # both compiled models wrap the same module; Dynamo keeps one cache entry per backend, so no reset between
-        report, forced = Report(), Report()
-        # "fusednorm": the backend as shipped (each projection block measured: plan or Inductor, whichever is
-        # faster); "fusednorm_plan": every matched block forced onto the plan (option plan="always")
+        report, measured, forced = Report(), Report(), Report()
+        # "fusednorm": the backend as shipped; "fusednorm_measure": each projection block measured, plan or
+        # Inductor, whichever is faster (option plan="measure"); "fusednorm_plan": every matched block forced
+        # onto the plan (option plan="always")
         for label, backend, kw in (("inductor", "inductor", {}),
                                    ("fusednorm", "fusednorm", {"options": {"report": report}}),
+                                   ("fusednorm_measure", "fusednorm",
+                                    {"options": {"report": measured, "plan": "measure"}}),
                                    ("fusednorm_plan", "fusednorm", {"options": {"report": forced, "plan": "always"}})):
             compiled = torch.compile(model, backend=backend, **kw)
             t0 = time.time()
@@ -152,6 +155,9 @@ def bench_one(name, device, dtype, rounds=20):
         row["not_fused"] = sorted({n.reason for n in report.near_misses})
         row["runs"] = sorted({m.runs for m in report.matches})
         row["plan_blocks"] = len(forced.matches)
+        row["measure_plan_blocks"] = len(measured.matches)
+        row["measure_choices"] = sorted({m.runs for m in measured.matches} |
+                                        {n.reason for n in measured.near_misses if "measured" in n.reason})
         for label, ms in gpu_time_ms(fns, rounds=rounds).items():
             row[f"{label}_ms"] = ms
         replays = {}
@@ -213,12 +219,12 @@ def main():
     print(f"\n{meta}\n")
     print("GPU ms from CUDA-graph replay (call ms: one ordinary forward, host costs included)\n")
     print("| model | eager | Inductor | fusednorm | vs Inductor | fused blocks | rel L2 (fusednorm vs eager) "
-          "| all on the plan: ms, blocks, rel L2 |")
-    print("|---|---|---|---|---|---|---|---|")
+          "| all on the plan: ms, blocks, rel L2 | measured choice: ms, blocks on the plan |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         if "error" in r or "skipped" in r:
             why = f"error: {r['error'][:80]}" if "error" in r else f"skipped: {r['skipped']}"
-            print(f"| {r['model']} | {why} | | | | | | |")
+            print(f"| {r['model']} | {why} | | | | | | | |")
             continue
         def ms(label):
             graph = r.get(f"{label}_graph_ms")
@@ -231,7 +237,8 @@ def main():
         speed = best("inductor") / best("fusednorm")
         print(f"| {r['title']} | {ms('eager')} | {ms('inductor')} | {ms('fusednorm')} | {speed:.2f}x | "
               f"{r['fused_blocks']} | {r['fusednorm_rel_l2_vs_eager']:.2e} | {ms('fusednorm_plan')}, "
-              f"{r['plan_blocks']}, {r['fusednorm_plan_rel_l2_vs_eager']:.2e} |")
+              f"{r['plan_blocks']}, {r['fusednorm_plan_rel_l2_vs_eager']:.2e} | {ms('fusednorm_measure')}, "
+              f"{r['measure_plan_blocks']} |")
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from . import dispatch
 from .reference import NORM_KINDS, reference_pre_norm_cross_attn
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -117,10 +118,9 @@ def pre_norm_cross_attn(
 @pre_norm_cross_attn.register_kernel("cuda")
 def _pre_norm_cross_attn_cuda(x, k, v, gamma, beta, wq, bq, wo, bo, mask, norm, eps, scale=None, sm_count=None,
                               check_numerics=False):
-    check_inputs(x, k, v, gamma, beta, wq, bq, wo, bo, mask, norm, eps, scale, sm_count)
-    from .dispatch import run_cuda
-
-    return run_cuda(x, k, v, gamma, beta, wq, bq, wo, bo, mask, norm, eps, scale, sm_count, check_numerics)
+    # checks the inputs unless this signature passed them before
+    return dispatch.run_cuda_cached(x, k, v, gamma, beta, wq, bq, wo, bo, mask, norm, eps, scale, sm_count,
+                                    check_numerics)
 
 
 @pre_norm_cross_attn.register_fake
@@ -213,34 +213,11 @@ def fused_pre_norm_cross_attn(
     eps = float(eps)
     if q.is_cuda and not torch.compiler.is_compiling() and not _needs_grad(q, k, v, gamma, beta, mask):
         # Straight to the kernel: the custom-op dispatcher costs ~10 µs per call and adds nothing without autograd
-        return _run_eager_cuda(q, k, v, gamma, beta, mask, norm, eps, scale, sm_count, check_numerics)
+        return dispatch.run_cuda_cached(q, k, v, gamma, beta, None, None, None, None, mask, norm, eps, scale,
+                                        sm_count, check_numerics)
     return torch.ops.fusednorm.pre_norm_cross_attn(q, k, v, gamma, beta, None, None, None, None, mask, norm, eps,
                                                    scale, sm_count, check_numerics)
 
 
 def _needs_grad(*tensors) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
-
-
-_codegen = None  # fusednorm.codegen, imported on the first CUDA call (it takes ~20 ms to import)
-
-
-def _run_eager_cuda(x, k, v, gamma, beta, mask, norm, eps, scale, sm_count, check_numerics):
-    """A call with the signature of an earlier one that ran the generated kernel goes straight to its launch: the
-    checks, the kernel and the grid depend on nothing else (codegen.call_key). Any other call takes the full path,
-    so bad input raises its error every time and fallbacks warn as before."""
-    global _codegen
-    if _codegen is None:
-        from . import codegen as _codegen
-    try:
-        key = _codegen.call_key(x, k, v, gamma, beta, mask, norm, eps, scale, sm_count, check_numerics)
-        call = _codegen.call_plans.get(key)
-    except Exception:  # an argument that cannot be keyed (not a tensor, no storage...): the full path reports it
-        key = call = None
-    if call is not None:
-        return _codegen.launch_call(call, x, k, v, gamma, beta, mask)
-    from .dispatch import run_cuda
-
-    check_inputs(x, k, v, gamma, beta, None, None, None, None, mask, norm, eps, scale, sm_count)
-    return run_cuda(x, k, v, gamma, beta, None, None, None, None, mask, norm, eps, scale, sm_count, check_numerics,
-                    call_key=key)

@@ -14,7 +14,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import fusednorm
-from fusednorm import codegen, op
+from fusednorm import codegen, dispatch, op, plans
 from fusednorm.codegen import launch, select
 from fusednorm.codegen.spec import TILE_ROLES, tile_for
 from fusednorm.reference import reference_pre_norm_cross_attn
@@ -33,6 +33,7 @@ class FakeGPU:
         self.family_calls = 0
         self.launches: list[SimpleNamespace] = []
         self.set_flag = False  # the next launch reports a non-finite output
+        self.fill: torch.Tensor | None = None  # written into the output by each launch (else left as allocated)
         self.families: dict[tuple, dict] = {}
 
     def family(self, dtype, d, norm, has_gamma, has_beta, affine_f32, mask_kind, mask_f32, arch, check,
@@ -49,6 +50,8 @@ class FakeGPU:
 
     def launch(self, kernel, grid, stream, pointers, tail):
         self.launches.append(SimpleNamespace(kernel=kernel, grid=grid, stream=stream, pointers=pointers, tail=tail))
+        if self.fill is not None:  # the output lives in host memory here: write it as the kernel would
+            ctypes.memmove(pointers[1], self.fill.data_ptr(), self.fill.numel() * self.fill.element_size())
         if self.set_flag:
             codegen._flags[kernel.device_index].fill_(1)
 
@@ -79,6 +82,8 @@ def gpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     monkeypatch.setattr(op, "check_inputs", check_inputs)
     monkeypatch.setattr(codegen, "why_no_kernel", why_no_kernel)
+    # the plan's float32-output GEMM has no CPU kernel in torch: the same product through float32 operands
+    monkeypatch.setattr(plans, "gemm_f32_out", lambda a, b: a.float() @ b.float())
     monkeypatch.setattr(codegen, "_family", fake.family)
     monkeypatch.setattr(codegen, "_raw_stream", lambda device_index: 1000 + device_index)
     monkeypatch.setattr(codegen._launch, "launch", fake.launch)
@@ -331,6 +336,104 @@ def test_an_argument_that_cannot_be_keyed_gets_the_full_paths_error(gpu):
     with pytest.raises(fusednorm.FusedNormInputError, match="norm must be one of"):
         fused(**t, norm=["layer"])  # unhashable: no key, the check reports it
     assert gpu.checks == 2 and not codegen.call_plans  # both errors came from the checks
+
+
+# ---- the op as a compiled graph calls it, and the projection plan ----
+
+def test_the_ops_cuda_impl_caches_like_the_eager_function(gpu):
+    t = inputs()
+    args = (t["x"], t["k"], t["v"], t["gamma"], t["beta"], None, None, None, None, None, "layer", 1e-5)
+    op._pre_norm_cross_attn_cuda(*args)
+    op._pre_norm_cross_attn_cuda(*args)
+    fused(**t)  # the eager function's call with the same signature: the same entry
+    assert gpu.checks == 1 and len(gpu.launches) == 3 and len(codegen.call_plans) == 1
+
+
+def plan_inputs(B=2, Lq=5, Lk=7, H=4, d=64, D=96, bias=True):
+    t = inputs(B=B, Lq=Lq, Lk=Lk, H=H, d=d)
+    Dq = H * d
+    t["x"] = torch.randn(B, Lq, D).to(BF16)
+    t["gamma"], t["beta"] = (1 + 0.1 * torch.randn(D)).to(BF16), (0.1 * torch.randn(D)).to(BF16)
+    w = dict(wq=(torch.randn(Dq, D) / D**0.5).to(BF16), bq=(0.1 * torch.randn(Dq)).to(BF16) if bias else None,
+             wo=(torch.randn(D, Dq) / Dq**0.5).to(BF16), bo=(0.1 * torch.randn(D)).to(BF16) if bias else None)
+    return t, w
+
+
+def run_plan_op(t, w, mask=None):
+    return op._pre_norm_cross_attn_cuda(t["x"], t["k"], t["v"], t["gamma"], t["beta"], w["wq"], w["bq"], w["wo"],
+                                        w["bo"], mask, "layer", 1e-5)
+
+
+def test_a_repeated_plan_signature_skips_the_checks_and_the_stage_planning(gpu):
+    t, w = plan_inputs()
+    Dq, D = w["wq"].shape
+    o_cols = Dq + plans.weights.K_ALIGN
+    run_plan_op(t, w)
+    assert (gpu.checks, gpu.why_calls, gpu.family_calls, len(gpu.launches)) == (1, 1, 1, 1)
+    t2 = dict(t, x=torch.randn_like(t["x"].float()).to(BF16))  # a new x, the same weights
+    o = torch.randn(2, 5, o_cols).to(BF16)
+    gpu.fill = o  # what the (fake) stage kernel writes: o, then the ones column the out GEMM multiplies by bo
+    o[..., Dq:] = 0
+    o[..., Dq] = 1
+    y = run_plan_op(t2, w)
+    assert (gpu.checks, gpu.why_calls, gpu.family_calls, len(gpu.launches)) == (1, 1, 1, 2)
+    miss, hit = gpu.launches
+    assert hit.kernel is miss.kernel and hit.tail == miss.tail and hit.grid == miss.grid
+    assert hit.pointers[0] == t2["x"].data_ptr() and hit.pointers[8] != 0  # its own x, and a qraw
+    assert hit.pointers[9:] == miss.pointers[9:] != (0, 0)  # u and b': folded once, from the weight cache
+    expected = t2["x"].float() + o[..., :Dq].float() @ w["wo"].float().t() + w["bo"].float()
+    torch.testing.assert_close(y.float(), expected, atol=3e-2, rtol=2e-2)
+
+
+def test_a_weight_updated_in_place_is_folded_again_on_a_hit(gpu):
+    t, w = plan_inputs()
+    run_plan_op(t, w)
+    run_plan_op(t, w)
+    with torch.no_grad():
+        w["wq"].mul_(2)  # an optimizer step: same tensor, new version
+    run_plan_op(t, w)
+    assert gpu.checks == 1 and len(gpu.launches) == 3
+    first, second, third = gpu.launches
+    assert second.pointers[9:] == first.pointers[9:] and third.pointers[9:] != second.pointers[9:]
+
+
+@pytest.mark.parametrize("change", ["no bias", "wq strides", "bo dtype", "mask"])
+def test_a_different_plan_signature_misses_then_hits(gpu, change):
+    t, w = plan_inputs()
+    mask = None
+    run_plan_op(t, w)
+    if change == "no bias":
+        w = dict(w, bq=None, bo=None)
+    elif change == "wq strides":
+        w = dict(w, wq=w["wq"].t().contiguous().t())
+    elif change == "bo dtype":
+        w = dict(w, bo=w["bo"].float())
+    else:
+        mask = torch.rand(2, 1, 1, 7) > 0.3
+    run_plan_op(t, w, mask)
+    run_plan_op(t, w, mask)
+    assert gpu.checks == 2 and len(gpu.launches) == 3 and len(codegen.call_plans) == 2
+
+
+def test_plan_and_kernel_signatures_never_share_an_entry(gpu):
+    t, w = plan_inputs(D=256)  # D == H * d: the same x, k, v also make a valid projection-free call
+    run_plan_op(t, w)
+    fused(t["x"], t["k"], t["v"], t["gamma"], t["beta"])
+    assert gpu.checks == 2 and len(codegen.call_plans) == 2
+    assert gpu.launches[0].kernel is not gpu.launches[1].kernel  # the stage mode is a kernel of its own
+
+
+def test_a_bad_plan_call_raises_every_time_after_a_good_one_was_cached(gpu):
+    t, w = plan_inputs()
+    run_plan_op(t, w)
+    bad = dict(w, wo=w["wo"][:, :-8])
+    for i in range(2):
+        with pytest.raises(fusednorm.FusedNormInputError, match="wo must be"):
+            run_plan_op(t, bad)
+        assert gpu.checks == 2 + i
+    key = dispatch.call_key(t["x"], t["k"], t["v"], t["gamma"], t["beta"], w["wq"], w["bq"], w["wo"], w["bo"], None,
+                            "layer", 1e-5, None, None, False)
+    assert list(codegen.call_plans) == [key] and len(gpu.launches) == 1
 
 
 # ---- launch.py: the per-thread Params buffer ----

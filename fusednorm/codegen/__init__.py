@@ -165,8 +165,9 @@ def run_kernel(x, k, v, gamma, beta, mask, norm, eps, scale, sm_count, check_num
     """y = x + MHA(norm(x) split into heads, k, v) with the generated kernel (inputs already validated), or with
     ``stage`` the plan's attention stage.
 
-    With ``call_key`` (see ``call_key``), a call whose tensors the kernel reads as given, with no copy or
-    conversion, leaves its launch in ``call_plans`` so that the next call with that key can go straight to it.
+    With ``call_key`` (see ``call_key``; for the plan's stage, a key that also covers the projections' shapes, which
+    fix qraw's and o's layout), a call whose tensors the kernel reads as given, with no copy or conversion, leaves
+    its launch in ``call_plans`` so that the next call with that key can go straight to it.
     """
     device_index = x.device.index if x.device.index is not None else torch.cuda.current_device()
     if device_index != torch.cuda.current_device():
@@ -223,8 +224,6 @@ def run_kernel(x, k, v, gamma, beta, mask, norm, eps, scale, sm_count, check_num
         B, Lq, Lk, H, D, plan.heads_per_item, plan.head_groups, plan.row_blocks, plan.items,
         int(stage.o_cols > H * d), float(eps), q_scale, score_scale), out_cols)
     y = launch_call(call, x, k, v, gamma, beta, mask, stage)
-    if stage.o_cols:
-        return y  # the plan's stage is never cached: its call_key would not cover qraw, u and b
     # A hit hands the caller's tensors to the kernel unprepared, so only a call that needed no copy or conversion
     # is cached (a mask view keeps its pointer; a copy cannot share it while the caller's mask is alive).
     if (call_key is not None and all(a is b for a, b in zip((x, k, v, gamma, beta), given))

@@ -34,23 +34,39 @@ def why_no_plan(x, k, v, gamma, beta, wq, bq, wo, bo, mask, norm) -> str | None:
     return None
 
 
-def run_plan(x, k, v, gamma, beta, wq, bq, wo, bo, mask, norm, eps, scale, sm_count, check_numerics):
-    """y = x + (attention(norm(x) @ Wq^T + bq, k, v) @ Wo^T + bo) as the plan above (inputs already validated)."""
-    from ..codegen import StageIO, run_kernel
+def gemm_f32_out(a, b):
+    """a @ b in float32 from 16-bit operands (cuBLAS accumulates in float32 and skips the rounding to 16 bits)."""
+    return torch.mm(a, b, out_dtype=torch.float32)
+
+
+def run_plan(x, k, v, gamma, beta, wq, bq, wo, bo, mask, norm, eps, scale, sm_count, check_numerics, call_key=None,
+             stage_call=None):
+    """y = x + (attention(norm(x) @ Wq^T + bq, k, v) @ Wo^T + bo) as the plan above (inputs already validated).
+
+    ``stage_call``: the stage's cached launch for this call's signature (dispatch.run_cuda_cached), else None and
+    ``call_key`` is the signature to cache it under. Either way the weights go through their fold cache, which
+    sees any change to them.
+    """
+    from .. import codegen
 
     B, Lq, D = x.shape
     x = x.contiguous()
     x2 = x.view(B * Lq, D)
     folded = fold_weights(norm, gamma, beta, wq, bq, wo, bo, x.dtype)
-    stage = StageIO()
+    stage = codegen.StageIO()
     if wq is not None:
-        stage.qraw = torch.mm(x2, folded.wq.t(), out_dtype=torch.float32)
+        stage.qraw = gemm_f32_out(x2, folded.wq.t())
         stage.q_u, stage.q_b = folded.u, folded.b
         gamma = beta = None  # folded into Wq'
+    if wo is not None:
+        stage.o_cols = folded.o_cols
+    if stage_call is not None:
+        o = codegen.launch_call(stage_call, x, k, v, gamma, beta, mask, stage)
+    else:
+        o = codegen.run_kernel(x, k, v, gamma, beta, mask, norm, eps, scale, sm_count, check_numerics, call_key,
+                               stage=stage)
     if wo is None:
-        return run_kernel(x, k, v, gamma, beta, mask, norm, eps, scale, sm_count, check_numerics, stage=stage)
-    stage.o_cols = folded.o_cols
-    o = run_kernel(x, k, v, gamma, beta, mask, norm, eps, scale, sm_count, check_numerics, stage=stage)
+        return o  # the stage added the residual
     y = torch.addmm(x2, o.view(B * Lq, folded.o_cols), folded.wo.t()).view(B, Lq, D)
     if check_numerics:
         from ..numerics import raise_if_not_finite

@@ -106,6 +106,18 @@ def test_weights_updated_in_place_are_seen():
     check(t, "layer")  # the folded copies are rebuilt from the new versions
 
 
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_a_repeated_signature_takes_the_cached_launch_with_new_values(variant):
+    """The second and third calls share the first one's signature (dispatch.call_key): they skip the checks and
+    the stage's planning, and must still read their own x, k, v, mask and (folded again) weights."""
+    gen = torch.Generator(device=DEV).manual_seed(7)
+    check(make(torch.bfloat16, variant, "layer", "bool", gen=gen), "layer")
+    cached = len(codegen.call_plans)
+    for _ in range(2):
+        check(make(torch.bfloat16, variant, "layer", "bool", gen=gen), "layer")
+    assert len(codegen.call_plans) == cached, "a repeated signature was planned again"
+
+
 def decoder_layer(B, Lq, Lk=77, D=256, H=4):
     """A bf16 nn.TransformerDecoderLayer(norm_first=True) on the GPU and fresh (tgt, memory) for it."""
     layer = nn.TransformerDecoderLayer(D, H, 2 * D, dropout=0.0, batch_first=True, norm_first=True)
