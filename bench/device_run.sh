@@ -35,7 +35,7 @@ for step in $STEPS; do
         python3 bench/profile_kernel.py $shape > "$OUT/ncu_$shape.log" 2>&1  # compiled outside the profiler first
         timeout 150 ncu --clock-control none --kernel-name regex:pnca_ --launch-skip 2 --launch-count 1 \
           --section SpeedOfLight --section Occupancy --section SchedulerStats --section WarpStateStats \
-          --section SourceCounters -o "$OUT/$shape" python3 bench/profile_kernel.py $shape >> "$OUT/ncu_$shape.log" 2>&1
+          --section SourceCounters --section ComputeWorkloadAnalysis --section InstructionStats -o "$OUT/$shape" python3 bench/profile_kernel.py $shape >> "$OUT/ncu_$shape.log" 2>&1
         ncu -i "$OUT/$shape.ncu-rep" --page details > "$OUT/ncu_$shape.txt" 2>&1
         ncu -i "$OUT/$shape.ncu-rep" --page source --csv --print-source sass > "$OUT/${shape}_sass.csv" 2>&1
         ncu -i "$OUT/$shape.ncu-rep" --page raw --csv 2>/dev/null | python3 bench/stall_reasons.py | tee "$OUT/${shape}_stalls.txt"

@@ -4,7 +4,7 @@
 
 Each line: host µs per call (enqueueing back to back) and wall µs per call (the GPU included), for the op
 through the dispatcher (as a compiled graph calls it) and for the pieces underneath; then cProfile of the plan's
-op call, hottest first.
+op call and of the eager projection-free call, hottest first.
 """
 from __future__ import annotations
 
@@ -56,10 +56,14 @@ with torch.no_grad():
                      ("for scale: torch.mm of the Q GEMM's shape", lambda: torch.mm(x.view(-1, D), plan_args[5]))):
         host, wall = per_call_us(fn)
         print(f"{name}: host {host:.1f} us/call (enqueue), wall {wall:.1f} us/call", flush=True)
-    prof = cProfile.Profile()
-    prof.enable()
-    for _ in range(100):
-        op(*plan_args)
-    prof.disable()
-    torch.cuda.synchronize()
-    pstats.Stats(prof).sort_stats("tottime").print_stats(14)
+    for name, fn in (("plan: op through the dispatcher", lambda: op(*plan_args)),
+                     ("projection-free: fused_pre_norm_cross_attn (eager)",
+                      lambda: fusednorm.fused_pre_norm_cross_attn(x, k, v, gamma, beta))):
+        print(f"\ncProfile, {name}, 100 calls:", flush=True)
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(100):
+            fn()
+        prof.disable()
+        torch.cuda.synchronize()
+        pstats.Stats(prof).sort_stats("tottime").print_stats(14)

@@ -349,6 +349,14 @@ def test_the_ops_cuda_impl_caches_like_the_eager_function(gpu):
     assert gpu.checks == 1 and len(gpu.launches) == 3 and len(codegen.call_plans) == 1
 
 
+def test_the_ops_cuda_key_runs_fusednorms_function_with_no_wrapper_between():
+    # custom_op's register_kernel would put its own Python wrapper (~36 µs per call) on the CUDA key
+    table = torch._C._dispatch_dump("fusednorm::pre_norm_cross_attn")
+    cuda_line = next(line for line in table.splitlines() if line.startswith("CUDA:"))
+    assert "fusednorm/op.py" in cuda_line.replace("\\", "/"), cuda_line
+    assert "custom_ops.py" not in cuda_line
+
+
 def plan_inputs(B=2, Lq=5, Lk=7, H=4, d=64, D=96, bias=True):
     t = inputs(B=B, Lq=Lq, Lk=Lk, H=H, d=d)
     Dq = H * d
