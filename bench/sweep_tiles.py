@@ -41,6 +41,7 @@ CANDIDATES = {  # role -> candidate tiles, each with the __launch_bounds__ minim
     "short": [(T(4, 1, 16, 4, 4), 1), (T(4, 1, 32, 4, 4), 1), (T(4, 1, 16, 4, 6), 1), (T(8, 1, 16, 8, 4), 1),
               (T(4, 1, 32, 4, 3), 1), (T(8, 1, 16, 8, 3), 1)],
 }
+CANDIDATES["many_keys"] = CANDIDATES["long"]  # the same tiles, chosen from MANY_KEYS keys on
 DEFAULT_SHAPES = "seed,sdxl64,sd15_64,t5_dec,whisper_dec,whisper_pre"
 SHAPES = {**SHAPES, "base_mid": (16, 96, 1024, 16, 300)}  # sweep only: a shape the "base" role takes
 

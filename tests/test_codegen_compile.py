@@ -135,7 +135,10 @@ def test_role_follows_lengths():
     assert select.tile_role(4096, 77, 2, 10) == "few_keys"              # SDXL
     assert select.tile_role(17, 80, 2, 10) == "few_keys"                # the longest Lk one stage takes
     assert select.tile_role(2048, 77, 32, 16, few_keys=False) == "long"  # the plan's stage mode
-    assert select.tile_role(448, 1500, 16, 20) == "long"                # Whisper prefill
+    assert select.tile_role(448, 1500, 16, 20) == "many_keys"           # Whisper prefill
+    assert select.tile_role(2048, 2048, 32, 16) == "many_keys"          # seed with Lk 2048
+    assert select.tile_role(448, 1500, 16, 20, few_keys=False) == "long"  # the plan's stage mode
+    assert select.tile_role(448, 1023, 16, 20) == "long"                # below MANY_KEYS
     assert select.tile_role(128, 512, 32, 16) == "long"                 # T5 decoder block: long keys
     assert select.tile_role(300, 81, 2, 8) == "base"                    # a few short items
     assert select.tile_role(2048, 81, 32, 16) == "long"                 # many 128-row items
@@ -150,6 +153,18 @@ def test_softmax_scale_goes_into_q_only_where_fp16_q_stays_exact():
     assert _scale_split(-0.3) == (-0.3 * log2e, 1.0)  # the sign rides in Q too
     for scale in (1.0, 50.0, 1e-4, 0.0, -2.0):  # could overflow or underflow fp16 Q: the scores take it all
         assert _scale_split(scale) == (1.0, scale * log2e)
+
+
+def test_many_keys_tile_is_the_long_tile_except_on_sm90_with_small_heads():
+    for d in HEAD_DIMS:
+        assert tile_for("many_keys", d, 80) == tile_for("long", d, 80)
+        assert (tile_for("many_keys", d, 90) == tile_for("long", d, 90)) == (d != 64)
+    tile = tile_for("many_keys", 64, 90)
+    assert tile.token == "t64x112wg"
+    plain = KernelSpec("bf16", 64, "layer", True, True, False, "none", False, tile, 90, False)
+    stage = KernelSpec("bf16", 64, "layer", False, False, False, "none", False, tile, 90, False, q_from_qraw=True)
+    assert (plain.min_ctas_per_sm, stage.min_ctas_per_sm) == (3, 1)
+    assert 3 * (plain.smem_bytes() + 1024) <= 228 * 1024  # three CTAs' shared memory (+1 KB each) fit on an SM
 
 
 def test_few_keys_role_never_takes_more_keys_than_its_stage(monkeypatch):

@@ -16,10 +16,12 @@ MASK_KINDS = ("none", "bool", "add")
 ARCHS = (80, 90)  # what CI compiles for; any sm_8x / sm_9x device gets its own arch at run time
 
 # Tile configurations are named by the query rows they cover at once (the seed's 128/256/512 idea, scaled to the
-# lengths cross-attention meets): "short" for a handful of query rows (decode), "base", and "long"; and
-# "few_keys" for key lengths up to FEW_KEYS (a text encoder's 77 tokens), where a head's keys fit one stage.
-TILE_ROLES = ("short", "base", "long", "few_keys")
+# lengths cross-attention meets): "short" for a handful of query rows (decode), "base", and "long"; "many_keys",
+# the long role's tile for key lengths from MANY_KEYS on (an audio encoder's 1500 frames); and "few_keys" for key
+# lengths up to FEW_KEYS (a text encoder's 77 tokens), where a head's keys fit one stage.
+TILE_ROLES = ("short", "base", "long", "many_keys", "few_keys")
 FEW_KEYS = 80  # block_n of the few_keys tiles: the longest Lk they take
+MANY_KEYS = 1024  # from this Lk on, the long role's steps are many enough that a third CTA per SM pays
 
 
 @dataclass(frozen=True)
@@ -67,7 +69,7 @@ class TileConfig:
 
 
 WGMMA_HEAD_DIMS = (64, 128)  # K/V rows of whole 128-byte swizzle blocks: what the warpgroup mma reads as laid out
-WGMMA_ROLES = ("base", "long", "few_keys")  # not "short": its warps split the keys, a warpgroup shares them
+WGMMA_ROLES = ("base", "long", "many_keys", "few_keys")  # not "short": its warps split the keys, a warpgroup shares them
 
 
 def tile_for(role: str, head_dim: int, arch: int = 80) -> TileConfig:
@@ -79,6 +81,10 @@ def tile_for(role: str, head_dim: int, arch: int = 80) -> TileConfig:
             return TileConfig(warps=8, m_tiles=1, block_n=FEW_KEYS, key_split=1, stages=2, one_tile=True, wgmma=True)
         if role == "long":  # 128 keys per stage: half the steps, and wider wgmma (-8..-10 % against 64, 12-03)
             return TileConfig(warps=4, m_tiles=1, block_n=128, key_split=1, stages=2, wgmma=True)
+        if role == "many_keys":  # d 64: 112 keys per stage, 75 KB, 3 CTAs per SM (Whisper prefill -6 %, 12-03)
+            if head_dim <= 64:
+                return TileConfig(warps=4, m_tiles=1, block_n=112, key_split=1, stages=2, wgmma=True)
+            return tile_for("long", head_dim, arch)
         return TileConfig(warps=4, m_tiles=1, block_n=64, key_split=1, stages=2, wgmma=True)
     if role == "short":  # keys split between warps; deep pipeline, since decode only streams K/V
         if head_dim > 128:
@@ -92,6 +98,8 @@ def tile_for(role: str, head_dim: int, arch: int = 80) -> TileConfig:
         if head_dim > 128:
             return tile_for("base", head_dim)
         return TileConfig(warps=8, m_tiles=1, block_n=32 if head_dim > 96 else 64, key_split=1, stages=2)
+    if role == "many_keys":
+        return tile_for("long", head_dim, arch)
     if role == "few_keys":  # one stage per head; 8 warps of 16 rows (more warps per SM beat K/V reuse: 18-21 %)
         if head_dim > 128:
             return tile_for("base", head_dim)
@@ -151,8 +159,8 @@ class KernelSpec:
     def min_ctas_per_sm(self) -> int:
         """__launch_bounds__ minimum: the memory-bound small-head base tile is worth the 3 CTAs per SM its shared
         memory allows (<= 168 registers), the few_keys tile with d <= 64 the 2 its shared memory allows (<= 128
-        registers; the plan's stage mode would spill there), the sm_90 long tile with d <= 64 likewise 2; elsewhere
-        the compiler may use what it needs."""
+        registers; the plan's stage mode would spill there), the sm_90 long tile with d <= 64 likewise 2 and its
+        many_keys tile 3 (<= 168 registers); elsewhere the compiler may use what it needs."""
         t = self.tile
         if t.key_split == 1 and t.m_tiles == 1 and t.warps == 4 and t.block_n <= 64 and self.head_dim <= 64:
             return 3
@@ -160,6 +168,8 @@ class KernelSpec:
             return 2
         if t.wgmma and t.warps == 4 and t.block_n == 128 and self.head_dim <= 64:  # sm_90 long: 82 KB allow 2
             return 2
+        if t.wgmma and t.warps == 4 and t.block_n == 112 and self.head_dim <= 64 and not self.q_from_qraw:
+            return 3  # sm_90 many_keys: 75 KB allow 3 (without the fp32 norm parameters or mask), <= 168 registers
         return 1
 
     @property
