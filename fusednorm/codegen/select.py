@@ -22,9 +22,11 @@ def tile_role(q_len: int, kv_len: int, batch: int = 1, heads: int = 1, sm_count:
     2 * 32 row blocks * 10 heads, Lk 77) the 64-row "base" tile wins by spreading the work wider.
     Up to FEW_KEYS keys, "few_keys" (one stage per head, 8 warps of 16 rows) beat both on every such shape, but
     not in the projection plan's stage mode (``few_keys=False``), whose extra registers leave it one CTA per SM.
-    From MANY_KEYS keys on, "many_keys" (on sm_90: 112 keys per stage, 3 CTAs per SM) beat the long tile on
-    Whisper prefill (Lk 1500: -6 %), while at Lk 512 (T5) its partly empty last stage made it 12 % slower
-    (2026-12-03); the stage mode keeps the long tile, whose registers the folded Q needs.
+    From MANY_KEYS keys on, "many_keys" (on sm_90 with d = 64: 112 keys per stage, 3 CTAs per SM) beat the long
+    tile at Lk 1500 (Whisper prefill -6.5 %, and -1.5 % with 4x the query rows) but lost wherever Lk is a multiple
+    of the long tile's 128 keys (Lk 512: +12 %, Lk 2048: +9 and +10 %; 2026-12-03): those keep the long tile.
+    Why 1500 favours the third CTA is not established; other lengths were not measured. The stage mode keeps the
+    long tile, whose registers the folded Q needs.
     """
     if force_role is not None:  # few_keys cannot take more keys than its one stage holds
         return "base" if force_role == "few_keys" and kv_len > FEW_KEYS else force_role
@@ -33,7 +35,8 @@ def tile_role(q_len: int, kv_len: int, batch: int = 1, heads: int = 1, sm_count:
     if few_keys and kv_len <= FEW_KEYS:
         return "few_keys"  # one stage per head: nothing carried between key tiles (seed -20 %, SD 1.5 -21 %)
     if q_len >= 128 and (kv_len >= 256 or batch * _cdiv(q_len, 128) * heads >= 8 * sm_count):
-        return "many_keys" if few_keys and kv_len >= MANY_KEYS else "long"
+        # from MANY_KEYS keys on, unless the long tile's 128-key stages hold them exactly
+        return "many_keys" if few_keys and kv_len >= MANY_KEYS and kv_len % 128 != 0 else "long"
     return "base"
 
 

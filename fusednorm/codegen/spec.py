@@ -21,7 +21,7 @@ ARCHS = (80, 90)  # what CI compiles for; any sm_8x / sm_9x device gets its own 
 # lengths up to FEW_KEYS (a text encoder's 77 tokens), where a head's keys fit one stage.
 TILE_ROLES = ("short", "base", "long", "many_keys", "few_keys")
 FEW_KEYS = 80  # block_n of the few_keys tiles: the longest Lk they take
-MANY_KEYS = 1024  # from this Lk on, the long role's steps are many enough that a third CTA per SM pays
+MANY_KEYS = 1024  # from this Lk on (see select.tile_role), the long role may take its many_keys tile
 
 
 @dataclass(frozen=True)
@@ -69,7 +69,7 @@ class TileConfig:
 
 
 WGMMA_HEAD_DIMS = (64, 128)  # K/V rows of whole 128-byte swizzle blocks: what the warpgroup mma reads as laid out
-WGMMA_ROLES = ("base", "long", "many_keys", "few_keys")  # not "short": its warps split the keys, a warpgroup shares them
+WGMMA_ROLES = ("base", "long", "many_keys", "few_keys")  # not "short": its warps split the keys (a warpgroup shares)
 
 
 def tile_for(role: str, head_dim: int, arch: int = 80) -> TileConfig:

@@ -6,7 +6,7 @@ the compiler (Inductor) on the same block with random inputs of those shapes, an
 on the GPU *and* its host time per call is below the compiler's GPU time: inside a compiled model the compiler's
 kernels of the block are launched from one generated wrapper, while the plan is an extern op call whose Python
 and cuBLAS launches cost host time of their own (dispatch.run_cuda_cached keeps a repeated signature's share
-small; before it, 180-290 µs per call on the H200 host). A model that is host-bound (an SD-1.5 UNet at batch 2
+small: ~120 µs per call on the H200 host, 180-290 before it). A model that is host-bound (an SD-1.5 UNet at batch 2
 is) pays that in full: timing the plan and the isolated block back-to-back, host costs on both sides included,
 once picked the plan for 10 UNet blocks and made the model 23 % slower (docs/PERF.md §3). GPU times come from
 CUDA-graph replay, so neither side's host cost leaks into them.

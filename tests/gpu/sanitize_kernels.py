@@ -26,6 +26,7 @@ CASES = [  # (role, dtype, B, Lq, Lk, H, d, mask, mean of x in units of its std)
     ("base", torch.bfloat16, 1, 70, 100, 2, 128, "bool", 0.0),  # sm_90: the warpgroup mma (d 64 and 128)
     ("long", torch.bfloat16, 1, 130, 300, 2, 64, "bool", 0.0),
     ("long", torch.bfloat16, 1, 129, 100, 2, 128, None, 0.0),
+    ("many_keys", torch.bfloat16, 1, 130, 250, 2, 64, "bool", 0.0),  # sm_90: 112-key stages, the last partial
     ("few_keys", torch.bfloat16, 2, 140, 77, 3, 64, "add", 0.0),
     ("few_keys", torch.bfloat16, 1, 40, 77, 3, 64, "add", 50.0),
     ("few_keys", torch.float16, 1, 20, 80, 2, 40, None, 0.0),
