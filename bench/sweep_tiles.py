@@ -44,8 +44,8 @@ CANDIDATES = {  # role -> candidate tiles, each with the __launch_bounds__ minim
 CANDIDATES["many_keys"] = CANDIDATES["long"]  # the same tiles, chosen from MANY_KEYS keys on
 DEFAULT_SHAPES = "seed,sdxl64,sd15_64,t5_dec,whisper_dec,whisper_pre"
 SHAPES = {**SHAPES, "base_mid": (16, 96, 1024, 16, 300),  # sweep only: a shape the "base" role takes
-          "pre_many": (16, 1792, 1280, 20, 1500),  # many_keys or long: Lk 1500 with 68 row-block items per SM,
-          "lk2048_few": (4, 448, 1024, 16, 2048)}  # and Lk 2048 with 3.4
+          "pre_many": (16, 1792, 1280, 20, 1500),  # many_keys or long: Whisper prefill's keys, 4x its rows,
+          "lk2048_few": (4, 448, 1024, 16, 2048)}  # and Lk 2048 with few rows
 
 
 def main():

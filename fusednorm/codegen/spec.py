@@ -76,15 +76,15 @@ def tile_for(role: str, head_dim: int, arch: int = 80) -> TileConfig:
     """The tile configuration a role gets for a head dim on a GPU arch (register and shared-memory budgets decide;
     every one fits the 163 KB an sm_80 CTA may use). On sm_90 the roles in WGMMA_ROLES run on the warpgroup mma
     for the head dims it takes: one m-tile per warp, so that 4 warps make one 64-row wgmma tile."""
+    if role == "many_keys" and not (arch == 90 and head_dim == 64):
+        return tile_for("long", head_dim, arch)  # only the sm_90 d-64 long tile has a many_keys variant
     if arch == 90 and head_dim in WGMMA_HEAD_DIMS and role in WGMMA_ROLES:
         if role == "few_keys":
             return TileConfig(warps=8, m_tiles=1, block_n=FEW_KEYS, key_split=1, stages=2, one_tile=True, wgmma=True)
         if role == "long":  # 128 keys per stage: half the steps, and wider wgmma (-8..-10 % against 64, 12-03)
             return TileConfig(warps=4, m_tiles=1, block_n=128, key_split=1, stages=2, wgmma=True)
-        if role == "many_keys":  # d 64: 112 keys per stage, 75 KB, 3 CTAs per SM (Whisper prefill -6 %, 12-03)
-            if head_dim <= 64:
-                return TileConfig(warps=4, m_tiles=1, block_n=112, key_split=1, stages=2, wgmma=True)
-            return tile_for("long", head_dim, arch)
+        if role == "many_keys":  # 112 keys per stage, 75 KB, 3 CTAs per SM (Whisper prefill -6 %, 12-03)
+            return TileConfig(warps=4, m_tiles=1, block_n=112, key_split=1, stages=2, wgmma=True)
         return TileConfig(warps=4, m_tiles=1, block_n=64, key_split=1, stages=2, wgmma=True)
     if role == "short":  # keys split between warps; deep pipeline, since decode only streams K/V
         if head_dim > 128:
@@ -98,8 +98,6 @@ def tile_for(role: str, head_dim: int, arch: int = 80) -> TileConfig:
         if head_dim > 128:
             return tile_for("base", head_dim)
         return TileConfig(warps=8, m_tiles=1, block_n=32 if head_dim > 96 else 64, key_split=1, stages=2)
-    if role == "many_keys":
-        return tile_for("long", head_dim, arch)
     if role == "few_keys":  # one stage per head; 8 warps of 16 rows (more warps per SM beat K/V reuse: 18-21 %)
         if head_dim > 128:
             return tile_for("base", head_dim)
