@@ -1,9 +1,10 @@
 """Where the few_keys kernel's GPU time goes: the kernel rebuilt with one phase cut out at a time, timed on the
 short-key shapes in one run. The cut kernels compute wrong results on purpose; only their time is read.
 
-    PYTHONPATH=. python bench/ablate_kernel.py [--shapes seed,sdxl64,sd15_64]
+    PYTHONPATH=. python bench/ablate_kernel.py [--shapes seed,sdxl64,sd15_64] [--all-roles --shapes t5_dec,...]
 
-Each cut is an exact text replacement in the rendered source of the one-tile kernels (other roles are untouched);
+Each cut is an exact text replacement in the rendered source of the one-tile kernels (with --all-roles, of every
+kernel: for shapes that other roles take);
 a replacement that no longer matches the template stops the run, so the cuts cannot silently go stale. The mma cuts
 edit both the mma.sync and the warpgroup-mma (sm_90) code, so they cut whichever the GPU runs.
 """
@@ -67,6 +68,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="seed,sdxl64,sd15_64")
     ap.add_argument("--cuts", default=",".join(CUTS), help="which cuts, baseline first")
+    ap.add_argument("--all-roles", action="store_true", help="cut every role's kernel, not only the one-tile ones")
     args = ap.parse_args()
     form = NoProjForm()
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -77,7 +79,7 @@ def main():
         what, edits = CUTS[cut]
         def render(spec, _edits=edits):
             src = original(spec)
-            if not spec.tile.one_tile:
+            if not (spec.tile.one_tile or args.all_roles):
                 return src
             for old, new in _edits:
                 if src.count(old) != 1:
@@ -85,8 +87,7 @@ def main():
                 src = src.replace(old, new)
             return src
         cache.render = render
-        cache._memory.clear()
-        codegen.forget_loaded_kernels()
+        codegen.forget_loaded_kernels()  # also drops the compiles held in memory: the cut is built and loaded
         row = [graph_time_us(form.fused, [t], min_total_s=0.1) for t in inputs.values()]
         print(f"{cut:16s}" + "".join(f"{us:12.1f}" for us in row) + f"   {what}", flush=True)
     cache.render = original

@@ -20,7 +20,7 @@ python3 -c "import torch, transformers; print('torch', torch.__version__, 'trans
 for step in $STEPS; do
   case $step in
     gpu) timeout ${GPU_TIMEOUT:-300} python3 -m pytest tests/gpu -q -x -p no:cacheprovider ${GPU_TESTS:-} 2>&1 | tee "$OUT/gpu_tests.log" | tail -4 ;;
-    ablate) timeout ${ABLATE_TIMEOUT:-200} python3 bench/ablate_kernel.py ${ABLATE_CUTS:+--cuts $ABLATE_CUTS} 2>&1 | tee "$OUT/ablate.log" | tail -12 ;;
+    ablate) timeout ${ABLATE_TIMEOUT:-200} python3 bench/ablate_kernel.py ${ABLATE_CUTS:+--cuts $ABLATE_CUTS} ${ABLATE_SHAPES:+--shapes $ABLATE_SHAPES} ${ABLATE_ALL:+--all-roles} 2>&1 | tee -a "$OUT/ablate.log" | tail -12 ;;
     sweep) timeout 240 python3 bench/sweep_tiles.py ${SWEEP_SHAPES:+--shapes $SWEEP_SHAPES} ${SWEEP_ONLY:+--only $SWEEP_ONLY} 2>&1 | tee "$OUT/sweep.log" | tail -40 ;;
     sanitize) for tool in memcheck racecheck; do
         timeout 100 compute-sanitizer --tool $tool python3 tests/gpu/sanitize_kernels.py > "$OUT/$tool.log" 2>&1

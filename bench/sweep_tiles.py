@@ -37,7 +37,9 @@ CANDIDATES = {  # role -> candidate tiles, each with the __launch_bounds__ minim
                  (T(4, 2, 64, 1, 2), 1), (T(4, 1, 64, 1, 2), 3),
                  (T(10, 1, 80, 1, 2, True), 2), (T(6, 1, 80, 1, 2, True), 3),  # 20 / 18 warps per SM, 96 registers
                  (T(8, 1, 80, 1, 2, True, **WG), 2), (T(16, 1, 80, 1, 2, True, **WG), 1),
-                 (T(4, 1, 80, 1, 2, True, **WG), 3), (T(8, 1, 80, 1, 3, True, **WG), 1)],
+                 (T(4, 1, 80, 1, 2, True, **WG), 3), (T(8, 1, 80, 1, 3, True, **WG), 1),
+                 (T(12, 1, 80, 1, 2, True), 2), (T(12, 1, 80, 1, 2, True, **WG), 2),  # 24 warps per SM, 80 registers
+                 (T(8, 1, 80, 1, 2, True), 3)],  # 24 warps per SM where 3 CTAs' shared memory fits (d <= 40)
     "short": [(T(4, 1, 16, 4, 4), 1), (T(4, 1, 32, 4, 4), 1), (T(4, 1, 16, 4, 6), 1), (T(8, 1, 16, 8, 4), 1),
               (T(4, 1, 32, 4, 3), 1), (T(8, 1, 16, 8, 3), 1)],
 }

@@ -211,7 +211,8 @@ def test_stall_reasons_reads_the_raw_page():
 
 
 @pytest.mark.parametrize("arch", [80, 90])
-def test_every_ablation_cut_applies_to_the_few_keys_kernel(arch, monkeypatch):
+@pytest.mark.parametrize("role", ["few_keys", "long"])  # the one-tile kernels, and with --all-roles the others
+def test_every_ablation_cut_applies_to_each_kernel(arch, role, monkeypatch):
     """bench/ablate_kernel.py edits the rendered source: each cut must match it exactly once (mma.sync and wgmma
     text alike), and the cut kernel must still compile."""
     pytest.importorskip("cuda.bindings.nvrtc")
@@ -225,8 +226,7 @@ def test_every_ablation_cut_applies_to_the_few_keys_kernel(arch, monkeypatch):
         ab = _load("ablate_kernel", "ablate_kernel.py")
     finally:
         sys.path.remove(str(BENCH))
-    spec = KernelSpec("bf16", 64, "layer", True, True, False, "none", False, tile_for("few_keys", 64, arch), arch,
-                      False)
+    spec = KernelSpec("bf16", 64, "layer", True, True, False, "none", False, tile_for(role, 64, arch), arch, False)
     source = render(spec)
     for name, (_, edits) in ab.CUTS.items():
         cut = source

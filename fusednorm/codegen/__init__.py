@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import cache as _cache
 from . import launch as _launch
 from . import select as _select
 from .cache import get_kernel
@@ -98,8 +99,10 @@ def _family(dtype: str, d: int, norm: str, has_gamma: bool, has_beta: bool, affi
 
 
 def forget_loaded_kernels() -> None:
-    """Drop the loaded kernel families, launch plans and cached calls (not the disk cache), so that the next call
-    builds them again: for tests and benchmarks that change what a family is made of (``tile_for``)."""
+    """Drop the loaded kernel families, launch plans, cached calls and compiled kernels held in memory (not the disk
+    cache), so that the next call builds them again: for tests and benchmarks that change what a family is made of
+    (``tile_for``, the occupancy bound, the rendered source) without changing its keys."""
+    _cache.clear_memory_cache()
     _families.clear()
     _plans.clear()
     call_plans.clear()

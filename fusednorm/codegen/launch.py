@@ -4,6 +4,7 @@ cuLaunchKernel."""
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import struct
 import threading
 from dataclasses import dataclass
@@ -48,13 +49,16 @@ def _check(result, what: str) -> None:
         raise KernelLaunchError(f"fusednorm: {what} failed: {name.decode() if name else result!r}")
 
 
-_loaded: dict[tuple[str, int], LoadedKernel] = {}
+_loaded: dict[tuple[str, int, bytes], LoadedKernel] = {}
 _load_lock = threading.Lock()
 
 
 def load(compiled: CompiledKernel, device_index: int) -> LoadedKernel:
-    """The kernel's function handle in the primary context of ``device_index`` (the one torch uses)."""
-    key = (compiled.spec.key, device_index)
+    """The kernel's function handle in the primary context of ``device_index`` (the one torch uses).
+
+    Loaded modules are keyed by the cubin as well as the kernel key: code rebuilt under the same key (a benchmark
+    that edits the source or the occupancy bound) must not find the previous module."""
+    key = (compiled.spec.key, device_index, hashlib.sha1(compiled.cubin).digest())
     hit = _loaded.get(key)
     if hit is not None:
         return hit

@@ -4,9 +4,9 @@
     compute-sanitizer --tool racecheck python tests/gpu/sanitize_kernels.py
 
 Covers every tile role (short / base / long / few_keys) of templates/pnca.cu, the padded head dim (40), the largest
-(256), a bool and an additive mask, ragged lengths, and rows whose mean is large against their spread (the exact
-statistics pass), so every code path of the template runs once; then the projection plan's stage mode (folded Q
-in, o and its ones column out) once per role.
+(256), a bool and an additive mask, ragged lengths, rows whose mean is large against their spread (the exact
+statistics pass) and one SM's worth of CTAs (several items each), so every code path of the template runs once;
+then the projection plan's stage mode (folded Q in, o and its ones column out) once per role.
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import torch
 import fusednorm
 from fusednorm.codegen import launch, select
 
-CASES = [  # (role, dtype, B, Lq, Lk, H, d, mask, mean of x in units of its std)
+CASES = [  # (role, dtype, B, Lq, Lk, H, d, mask, mean of x in units of its std[, sm_count])
     ("short", torch.bfloat16, 2, 1, 150, 2, 64, None, 0.0),
     ("short", torch.bfloat16, 2, 3, 150, 2, 64, None, 50.0),
     ("short", torch.float16, 1, 5, 77, 2, 256, "bool", 0.0),
@@ -30,12 +30,15 @@ CASES = [  # (role, dtype, B, Lq, Lk, H, d, mask, mean of x in units of its std)
     ("few_keys", torch.bfloat16, 2, 140, 77, 3, 64, "add", 0.0),
     ("few_keys", torch.bfloat16, 1, 40, 77, 3, 64, "add", 50.0),
     ("few_keys", torch.float16, 1, 20, 80, 2, 40, None, 0.0),
+    # one SM's worth of CTAs: each works through several items, its pipeline running on across them
+    ("few_keys", torch.bfloat16, 2, 300, 77, 3, 64, "bool", 0.0, 1),
+    ("few_keys", torch.bfloat16, 2, 300, 77, 2, 32, None, 50.0, 1),
 ]
 
 
 def main() -> int:
     torch.manual_seed(0)
-    for role, dtype, B, Lq, Lk, H, d, mask_kind, mean in CASES:
+    for role, dtype, B, Lq, Lk, H, d, mask_kind, mean, *sm_count in CASES:
         select.force_role = role
         x = (torch.randn(B, Lq, H * d, device="cuda") + mean).to(dtype)
         k = torch.randn(B, Lk, H, d, device="cuda", dtype=dtype).transpose(1, 2)
@@ -48,11 +51,11 @@ def main() -> int:
         elif mask_kind == "add":
             mask = torch.randn(B, 1, Lq, Lk, device="cuda", dtype=dtype)
         before = launch.launch_count
-        y = fusednorm.fused_pre_norm_cross_attn(x, k, v, g, b, 1e-5, mask=mask)
+        y = fusednorm.fused_pre_norm_cross_attn(x, k, v, g, b, 1e-5, *sm_count, mask=mask)
         torch.cuda.synchronize()
         assert launch.launch_count == before + 1
         print(f"{role:8s} {str(dtype):15s} B={B} Lq={Lq} Lk={Lk} H={H} d={d} mask={mask_kind} mean={mean}: "
-              f"finite={bool(torch.isfinite(y).all())}")
+              f"sm_count={sm_count[0] if sm_count else None}: finite={bool(torch.isfinite(y).all())}")
     for role, B, Lq, Lk, H, d in (("short", 2, 1, 150, 2, 64), ("base", 2, 70, 77, 2, 40),
                                   ("long", 1, 130, 300, 2, 64), ("few_keys", 2, 100, 77, 2, 64)):
         select.force_role = role

@@ -316,3 +316,20 @@ def test_operand_layouts(role, d, monkeypatch, tile_set):
         err = (fused(x, kk, vv, g, b, None, "layer").double() - x.double() - want).abs().max().item()
         err_eager = (eager_block(x, kk, vv, g, b, None, "layer", 1e-5, None).double() - x.double() - want).abs().max()
         assert err <= 2 * err_eager.item() + 1e-3, f"{what}: max error {err:.3e}, eager {err_eager:.3e}"
+
+
+def test_code_rebuilt_under_the_same_key_loads_as_its_own_module(tmp_path, monkeypatch):
+    """A benchmark that rebuilds a kernel under the same key (a source edit, another occupancy bound) must launch
+    the new code, not the module loaded first for that key; and forget_loaded_kernels must not hand back the old
+    compile from memory either."""
+    spec = _family_specs("bf16", 64, "layer_affine", "none")[TILE_ROLES.index("few_keys")]
+    built = cache.get_kernel(spec, tmp_path)
+    first = launch.load(built, 0)
+    monkeypatch.setattr(KernelSpec, "min_ctas_per_sm", property(lambda s: 1))  # a looser register bound
+    codegen.forget_loaded_kernels()
+    rebuilt = cache.get_kernel(spec, tmp_path)
+    assert rebuilt.cubin != built.cubin
+    second = launch.load(rebuilt, 0)
+    assert second.handle != first.handle
+    assert second.registers == rebuilt.usage.registers
+    assert launch.load(rebuilt, 0) is second  # the same code is still loaded once
