@@ -28,8 +28,8 @@ from fusednorm.codegen import cache, render as render_mod  # noqa: E402
 CUTS = {  # name -> (what it removes, [(old, new), ...])
     "baseline": ("nothing", []),
     "no_refill": ("the per-step copies (K, V, x slice, norm parameters): stages keep the prologue's data",
-                  [("    if (ahead.item < p.items) {\n      load_step(p, ahead, stage == 0",
-                    "    if (false) {\n      load_step(p, ahead, stage == 0")]),
+                  [("    if (ahead.item < p.items) {\n      load_step(p, maps, ahead, stage == 0",
+                    "    if (false) {\n      load_step(p, maps, ahead, stage == 0")]),
     "no_x_slice": ("the x-slice copy of each head (Q and the residual read stale x)",
                    [("    if (NEEDS_X_SLICE)\n      load_x_tile(", "    if (false)\n      load_x_tile(")]),
     "no_statistics": ("the row-statistics pass at each item's start",
@@ -81,6 +81,9 @@ def main():
             src = original(spec)
             if not (spec.tile.one_tile or args.all_roles):
                 return src
+            if cut == "no_refill" and spec.tile.tma:  # its stages' barriers would never complete again
+                raise SystemExit("cut 'no_refill' would hang a tile whose stages are bulk copies; time its twin "
+                                 "without tma (spec.tile_for) instead")
             for old, new in _edits:
                 if src.count(old) != 1:
                     raise SystemExit(f"cut {cut!r}: {old!r} is not found exactly once in the template")

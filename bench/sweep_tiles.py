@@ -23,15 +23,18 @@ from fusednorm.codegen.spec import TileConfig  # noqa: E402
 
 T = TileConfig
 WG = dict(wgmma=True)  # sm_90 only: the warpgroup mma (head dims 64 and 128)
+WGT = dict(wgmma=True, tma=True)  # and stages filled by bulk tensor copies
 CANDIDATES = {  # role -> candidate tiles, each with the __launch_bounds__ minimum CTAs per SM it is built with
     "long": [(T(4, 2, 64, 1, 2), 1), (T(4, 2, 64, 1, 3), 1), (T(4, 1, 64, 1, 2), 3), (T(4, 1, 64, 1, 3), 2),
              (T(8, 1, 64, 1, 2), 2), (T(8, 1, 64, 1, 3), 1), (T(4, 1, 128, 1, 2), 1),
              (T(8, 1, 64, 1, 2, **WG), 1), (T(8, 1, 64, 1, 3, **WG), 1), (T(8, 1, 128, 1, 2, **WG), 1),
              (T(4, 1, 64, 1, 2, **WG), 3), (T(4, 1, 64, 1, 3, **WG), 2), (T(4, 1, 128, 1, 2, **WG), 2),
              (T(4, 1, 128, 1, 3, **WG), 1),
-             (T(4, 1, 96, 1, 2, **WG), 3), (T(4, 1, 112, 1, 2, **WG), 3)],  # 3 CTAs per SM: 67 / 75 KB, <= 168 regs
+             (T(4, 1, 96, 1, 2, **WG), 3), (T(4, 1, 112, 1, 2, **WG), 3),  # 3 CTAs per SM: 67 / 75 KB, <= 168 regs
+             (T(4, 1, 128, 1, 2, **WGT), 2), (T(4, 1, 128, 1, 3, **WGT), 1), (T(4, 1, 112, 1, 2, **WGT), 3),
+             (T(4, 1, 112, 1, 3, **WGT), 2), (T(4, 1, 64, 1, 3, **WGT), 3)],
     "base": [(T(4, 1, 64, 1, 2), 3), (T(4, 1, 128, 1, 2), 1), (T(4, 1, 64, 1, 3), 3),
-             (T(4, 1, 64, 1, 2, **WG), 3), (T(8, 1, 64, 1, 2, **WG), 1)],
+             (T(4, 1, 64, 1, 2, **WG), 3), (T(8, 1, 64, 1, 2, **WG), 1), (T(4, 1, 64, 1, 2, **WGT), 3)],
     "few_keys": [(T(8, 1, 80, 1, 2, True), 2), (T(16, 1, 80, 1, 2, True), 1), (T(4, 1, 80, 1, 2, True), 3),
                  (T(4, 2, 80, 1, 2, True), 1), (T(6, 2, 80, 1, 2, True), 2), (T(8, 2, 80, 1, 2, True), 1),
                  (T(4, 2, 64, 1, 2), 1), (T(4, 1, 64, 1, 2), 3),
@@ -39,7 +42,10 @@ CANDIDATES = {  # role -> candidate tiles, each with the __launch_bounds__ minim
                  (T(8, 1, 80, 1, 2, True, **WG), 2), (T(16, 1, 80, 1, 2, True, **WG), 1),
                  (T(4, 1, 80, 1, 2, True, **WG), 3), (T(8, 1, 80, 1, 3, True, **WG), 1),
                  (T(12, 1, 80, 1, 2, True), 2), (T(12, 1, 80, 1, 2, True, **WG), 2),  # 24 warps per SM, 80 registers
-                 (T(8, 1, 80, 1, 2, True), 3)],  # 24 warps per SM where 3 CTAs' shared memory fits (d <= 40)
+                 (T(8, 1, 80, 1, 2, True), 3),  # 24 warps per SM where 3 CTAs' shared memory fits (d <= 40)
+                 (T(8, 1, 80, 1, 2, True, **WGT), 2), (T(8, 1, 80, 1, 3, True, **WGT), 2),
+                 (T(4, 1, 80, 1, 2, True, **WGT), 3), (T(4, 1, 80, 1, 3, True, **WGT), 2),
+                 (T(16, 1, 80, 1, 2, True, **WGT), 1)],
     "short": [(T(4, 1, 16, 4, 4), 1), (T(4, 1, 32, 4, 4), 1), (T(4, 1, 16, 4, 6), 1), (T(8, 1, 16, 8, 4), 1),
               (T(4, 1, 32, 4, 3), 1), (T(8, 1, 16, 8, 3), 1)],
 }

@@ -161,11 +161,50 @@ def test_many_keys_tile_is_the_long_tile_except_on_sm90_with_small_heads():
         assert tile_for("many_keys", d, 80) == tile_for("long", d, 80)
         assert (tile_for("many_keys", d, 90) == tile_for("long", d, 90)) == (d != 64)
     tile = tile_for("many_keys", 64, 90)
-    assert tile.token == "t64x112wg"
+    assert tile.token == "t64x112wgtma"
     plain = KernelSpec("bf16", 64, "layer", True, True, False, "none", False, tile, 90, False)
     stage = KernelSpec("bf16", 64, "layer", False, False, False, "none", False, tile, 90, False, q_from_qraw=True)
     assert (plain.min_ctas_per_sm, stage.min_ctas_per_sm) == (3, 1)
     assert 3 * (plain.smem_bytes() + 1024) <= 228 * 1024  # three CTAs' shared memory (+1 KB each) fit on an SM
+
+
+def test_sm90_wgmma_stages_come_by_bulk_tensor_copies():
+    """Every sm_90 warpgroup-mma tile fills its stages with TMA (one thread, bulk copies on an mbarrier): the source
+    says so, its x slots are unpadded; the plan's stage mode too (its x slots stage o for the stores)."""
+    from dataclasses import replace
+
+    for d in (64, 128):
+        for role in ("few_keys", "long", "many_keys", "base"):
+            tile = tile_for(role, d, 90)
+            assert tile.tma and tile.token.endswith("wgtma")
+            spec = KernelSpec("bf16", d, "layer", True, True, False, "none", False, tile, 90, False)
+            src = render(spec)
+            assert "constexpr bool USE_TMA = true;" in src and "cp.async.bulk.tensor.4d" in src
+            plain = spec.with_tile(replace(tile, tma=False))
+            assert "constexpr bool USE_TMA = false;" in render(plain)
+            # K/V stages are the same size; the x slots lose their 16-byte row pad and gain one mbarrier per stage
+            assert spec.smem_bytes() - plain.smem_bytes() == tile.stages * (8 - tile.block_m * 16)
+            stage = KernelSpec("bf16", d, "layer", False, False, False, "none", False, tile, 90, False,
+                               q_from_qraw=True, write_o=True)
+            assert stage.tile.tma and stage.key.endswith("wgtma_sm90")
+    assert all(tile_for(r, d, a).tma == tile_for(r, d, a).wgmma for r in TILE_ROLES for d in HEAD_DIMS
+               for a in (80, 90))
+    with pytest.raises(ValueError, match="bulk tensor copies"):
+        KernelSpec("bf16", 64, "layer", True, True, False, "none", False, replace(tile_for("base", 64, 80), tma=True),
+                   80, False)
+
+
+def test_tensor_map_describes_only_aligned_16_byte_strides():
+    from fusednorm.codegen.tensormap import describable
+
+    B, H, Lk, d = 2, 4, 77, 64
+    view = (d, Lk, H, B)  # k as [B, Lk, H, d] viewed as [B, H, Lk, d], innermost first
+    assert describable(1 << 20, view, (1, H * d, d, Lk * H * d))
+    assert not describable((1 << 20) + 8, view, (1, H * d, d, Lk * H * d))   # base not 16-byte aligned
+    assert not describable(1 << 20, view, (2, H * d, d, Lk * H * d))         # inner dim strided
+    assert not describable(1 << 20, view, (1, H * d, d, 0))                  # batch broadcast
+    assert not describable(1 << 20, view, (1, H * d + 4, d, Lk * H * d))     # rows 8 bytes apart
+    assert describable(1 << 20, (d, Lk, 1, 1), (1, d, 0, 3))                 # size-1 dims: stride unused
 
 
 def test_few_keys_role_never_takes_more_keys_than_its_stage(monkeypatch):

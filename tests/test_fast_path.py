@@ -48,8 +48,9 @@ class FakeGPU:
                 for role in TILE_ROLES}
         return self.families[fkey]
 
-    def launch(self, kernel, grid, stream, pointers, tail):
-        self.launches.append(SimpleNamespace(kernel=kernel, grid=grid, stream=stream, pointers=pointers, tail=tail))
+    def launch(self, kernel, grid, stream, pointers, tail, maps=b""):
+        self.launches.append(SimpleNamespace(kernel=kernel, grid=grid, stream=stream, pointers=pointers, tail=tail,
+                                             maps=maps))
         if self.fill is not None:  # the output lives in host memory here: write it as the kernel would
             ctypes.memmove(pointers[1], self.fill.data_ptr(), self.fill.numel() * self.fill.element_size())
         if self.set_flag:

@@ -18,6 +18,7 @@ import torch
 from . import cache as _cache
 from . import launch as _launch
 from . import select as _select
+from . import tensormap as _tensormap
 from .cache import get_kernel
 from .spec import HEAD_DIMS, TILE_ROLES, KernelSpec, tile_for
 
@@ -211,6 +212,8 @@ def run_kernel(x, k, v, gamma, beta, mask, norm, eps, scale, sm_count, check_num
     if kernel.spec.tile.one_tile and Lk > kernel.spec.tile.block_n:  # the kernel would drop keys: never launch it
         raise RuntimeError(f"fusednorm: internal error: {kernel.spec.key} takes at most "
                            f"{kernel.spec.tile.block_n} keys, got Lk = {Lk}")
+    if kernel.spec.tile.tma:
+        k, v = _tma_operand(k, "k"), _tma_operand(v, "v")
     pkey = (role, id(kernel), B, Lq, Lk, H, sms)
     plan = _plans.get(pkey)
     if plan is None:
@@ -304,10 +307,40 @@ def launch_call(call: CallPlan, x, k, v, gamma, beta, mask, stage: StageIO | Non
                 gamma.data_ptr() if gamma is not None else 0, beta.data_ptr() if beta is not None else 0,
                 mask.data_ptr() if mask is not None else 0, flag.data_ptr() if flag is not None else 0,
                 *_stage_pointers(stage))
-    _launch.launch(call.kernel, call.grid, _raw_stream(device_index), pointers, call.tail)
+    maps = _tma_maps(call.kernel.spec.tile, x, k, v) if call.kernel.spec.tile.tma else b""
+    _launch.launch(call.kernel, call.grid, _raw_stream(device_index), pointers, call.tail, maps)
     if flag is not None:
         _raise_if_flagged(flag, call.kernel.spec.key)
     return y
+
+
+def _kv_map_dims(t: torch.Tensor) -> tuple[tuple, tuple]:
+    """k or v [B, H, Lk, d] as a tensor map sees it, innermost first; a head or batch dim broadcast with stride 0
+    has size 1 there (the kernel then keeps its coordinate at 0: see load_step_tma)."""
+    B, H, Lk, d = t.shape
+    s = t.stride()
+    return (d, Lk, H if s[1] else 1, B if s[0] else 1), (1, s[2], s[1], s[0])
+
+
+def _tma_maps(tile, x: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bytes:
+    """TmaMaps for a tile whose stages are bulk copies: x as [B, Lq, D] in boxes of 64 columns by the tile's rows,
+    k and v as strided [B, H, Lk, d] in boxes of 64 columns by a stage's keys (dims innermost first)."""
+    B, Lq, D = x.shape
+    kv_box = (64, tile.kv_rows, 1, 1)
+    return (_tensormap.tile_map(x.data_ptr(), (D, Lq, B), (1, D, Lq * D), (64, tile.block_m, 1))
+            + _tensormap.tile_map(k.data_ptr(), *_kv_map_dims(k), kv_box)
+            + _tensormap.tile_map(v.data_ptr(), *_kv_map_dims(v), kv_box))
+
+
+def _tma_operand(t: torch.Tensor, what: str) -> torch.Tensor:
+    """k/v as a tensor map can describe them, else a contiguous copy with a one-time warning."""
+    if _tensormap.describable(t.data_ptr(), *_kv_map_dims(t)):
+        return t
+    from ..warn import warn_once
+
+    warn_once(f"fusednorm: {what} has strides {tuple(t.stride())} that a tensor map cannot describe; "
+              "copying it to a contiguous tensor on every call")
+    return t.clone(memory_format=torch.contiguous_format)
 
 
 def _stage_pointers(stage: StageIO | None) -> tuple:

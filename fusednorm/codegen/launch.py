@@ -19,6 +19,7 @@ from .spec import KernelSpec
 PARAMS = struct.Struct("<11Q11q10i3f4x")
 POINTERS = 11
 assert PARAMS.size == 232
+MAPS_BYTES = 384  # the second argument, ``struct TmaMaps``: three 128-byte tensor maps (x, k, v), read by tma tiles
 
 launch_count = 0  # kernels launched by this process; tests read it to prove the generated kernel ran
 last_launched = ""  # the key of the last kernel launched (tests read it to see which specialisation ran)
@@ -90,7 +91,7 @@ def load(compiled: CompiledKernel, device_index: int) -> LoadedKernel:
 
 
 class _LaunchArgs(threading.local):
-    """The Params buffer and the one-entry argv pointing at it, made once per thread instead of once per launch.
+    """The Params and TmaMaps buffers and the argv pointing at them, made once per thread instead of once per launch.
 
     cuLaunchKernel copies the parameters before it returns, so the next launch may overwrite them. It runs
     without the GIL, so a buffer shared between threads could be rewritten by another thread mid-launch: hence
@@ -99,7 +100,8 @@ class _LaunchArgs(threading.local):
 
     def __init__(self):
         self.params = ctypes.create_string_buffer(PARAMS.size)
-        self.argv = (ctypes.c_void_p * 1)(ctypes.addressof(self.params))
+        self.maps = ctypes.create_string_buffer(MAPS_BYTES)  # left as it is for kernels that do not read it
+        self.argv = (ctypes.c_void_p * 2)(ctypes.addressof(self.params), ctypes.addressof(self.maps))
         self.argv_address = ctypes.addressof(self.argv)
 
 
@@ -133,12 +135,15 @@ def _driver():
     return driver
 
 
-def launch(kernel: LoadedKernel, grid: int, stream: int, pointers: tuple, tail: tuple) -> None:
-    """Enqueue one launch on ``stream`` (a raw cudaStream_t) with Params = ``pointers`` (11) then ``tail``."""
+def launch(kernel: LoadedKernel, grid: int, stream: int, pointers: tuple, tail: tuple, maps: bytes = b"") -> None:
+    """Enqueue one launch on ``stream`` (a raw cudaStream_t) with Params = ``pointers`` (11) then ``tail``, and
+    TmaMaps = ``maps`` (the kernels that read it)."""
     global launch_count, last_launched
     last_launched = kernel.spec.key
     args = _args
     PARAMS.pack_into(args.params, 0, *pointers, *tail)
+    if maps:
+        ctypes.memmove(args.maps, maps, MAPS_BYTES)
     argv = args.argv_address
     raw = _raw_launch if _raw_launch is not _UNSET else _libcuda_launch()
     if raw is not None and raw(kernel.handle, grid, 1, 1, kernel.threads, 1, 1, kernel.smem_bytes, stream, argv,

@@ -31,6 +31,7 @@ def config_constants(spec: KernelSpec) -> dict:
         "STAGES": t.stages,
         "ONE_TILE": t.one_tile,
         "USE_WGMMA": t.wgmma,
+        "USE_TMA": t.tma,
         "Q_IN_SMEM": spec.q_in_smem,
         "NORM_IS_RMS": spec.norm == "rms",
         "HAS_GAMMA": spec.has_gamma,

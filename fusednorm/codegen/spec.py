@@ -33,6 +33,7 @@ class TileConfig:
     stages: int      # cp.async pipeline depth
     one_tile: bool = False  # a head's keys all in one stage (chosen only when Lk <= block_n): nothing carried
     wgmma: bool = False     # sm_90: QK^T and P V as warpgroup mma, B straight from shared memory (see WGMMA_HEAD_DIMS)
+    tma: bool = False       # sm_90 wgmma only: stages filled by bulk tensor copies on an mbarrier
 
     @property
     def threads(self) -> int:
@@ -65,6 +66,8 @@ class TileConfig:
             t += "one"
         if self.wgmma:
             t += "wg"
+        if self.tma:
+            t += "tma"
         return t
 
 
@@ -79,13 +82,15 @@ def tile_for(role: str, head_dim: int, arch: int = 80) -> TileConfig:
     if role == "many_keys" and not (arch == 90 and head_dim == 64):
         return tile_for("long", head_dim, arch)  # only the sm_90 d-64 long tile has a many_keys variant
     if arch == 90 and head_dim in WGMMA_HEAD_DIMS and role in WGMMA_ROLES:
+        # stages filled by bulk tensor copies, one thread issuing them (few_keys: seed -5.5 %, SDXL -4 %, 12-03)
+        wg = dict(key_split=1, stages=2, wgmma=True, tma=True)
         if role == "few_keys":
-            return TileConfig(warps=8, m_tiles=1, block_n=FEW_KEYS, key_split=1, stages=2, one_tile=True, wgmma=True)
+            return TileConfig(warps=8, m_tiles=1, block_n=FEW_KEYS, one_tile=True, **wg)
         if role == "long":  # 128 keys per stage: half the steps, and wider wgmma (-8..-10 % against 64, 12-03)
-            return TileConfig(warps=4, m_tiles=1, block_n=128, key_split=1, stages=2, wgmma=True)
+            return TileConfig(warps=4, m_tiles=1, block_n=128, **wg)
         if role == "many_keys":  # 112 keys per stage, 75 KB, 3 CTAs per SM (Whisper prefill -6 %, 12-03)
-            return TileConfig(warps=4, m_tiles=1, block_n=112, key_split=1, stages=2, wgmma=True)
-        return TileConfig(warps=4, m_tiles=1, block_n=64, key_split=1, stages=2, wgmma=True)
+            return TileConfig(warps=4, m_tiles=1, block_n=112, **wg)
+        return TileConfig(warps=4, m_tiles=1, block_n=64, **wg)
     if role == "short":  # keys split between warps; deep pipeline, since decode only streams K/V
         if head_dim > 128:
             return TileConfig(warps=2, m_tiles=1, block_n=16, key_split=2, stages=2)
@@ -137,6 +142,9 @@ class KernelSpec:
                             and t.key_split == 1 and t.warps % 4 == 0 and t.block_n <= 256):
             raise ValueError(f"fusednorm: tile {t.token} uses the warpgroup mma, which needs sm_90, head dim in "
                              f"{WGMMA_HEAD_DIMS}, one m-tile per warp, whole warpgroups and no key split")
+        if t.tma and not t.wgmma:
+            raise ValueError(f"fusednorm: tile {t.token} fills its stages by bulk tensor copies, which only the "
+                             f"warpgroup-mma kernels do")
         # canonical forms, so that equal code means an equal key
         if self.q_from_qraw and (self.has_gamma or self.has_beta):  # folded into Wq': the kernel never reads them
             object.__setattr__(self, "has_gamma", False)
@@ -191,13 +199,14 @@ class KernelSpec:
         row_stride = pad + 8
         kv = 2 * t.stages * t.kv_rows * (self.head_dim if t.wgmma else row_stride) * 2  # wgmma: swizzled, unpadded
         q = t.warps * t.rows_per_warp * row_stride * 2 if self.q_in_smem else 0
-        x_slots = t.stages * t.block_m * row_stride * 2
+        x_slots = t.stages * t.block_m * (self.head_dim if t.tma else row_stride) * 2  # tma: swizzled, unpadded
         stats = t.warps * t.rows_per_warp * 2 * 4 + (t.warps * 16 * 2 * 4 if t.key_split > 1 else 0)
         combine = t.warps * 16 * (self.head_dim + 2) * 4 if t.key_split > 1 else 0
         wide = self.q_from_qraw or self.affine_f32
         has_vecs = self.q_from_qraw or self.has_gamma or self.has_beta
         affine_slots = t.stages * 2 * self.head_dim * (4 if wide else 2) if has_vecs else 0
-        return kv + q + x_slots + stats + combine + affine_slots
+        barriers = t.stages * 8 if t.tma else 0
+        return kv + q + x_slots + stats + combine + affine_slots + barriers
 
 
 def supported_grid(archs=ARCHS):

@@ -179,7 +179,7 @@ def test_each_tile_role_on_every_head_dim(role, monkeypatch, tile_set):
         for mask in ("none", "add"):
             check_case(torch.bfloat16, 2, 77, Lk, 2, d, "layer_affine", mask, gen)
             wgmma = tile_set == "native" and _arch() == 90 and d in WGMMA_HEAD_DIMS and role in WGMMA_ROLES
-            assert launch.last_launched.endswith("wg_sm90") == wgmma, launch.last_launched
+            assert launch.last_launched.endswith(("wg_sm90", "wgtma_sm90")) == wgmma, launch.last_launched
     if role == "few_keys":  # every key count up to the stage, including a full one (no edge n-tile)
         for Lk in (1, 15, 16, 17, 64, 79, 80):
             check_case(torch.float16, 3, 130, Lk, 3, 64, "rms", "bool", gen)
@@ -316,6 +316,60 @@ def test_operand_layouts(role, d, monkeypatch, tile_set):
         err = (fused(x, kk, vv, g, b, None, "layer").double() - x.double() - want).abs().max().item()
         err_eager = (eager_block(x, kk, vv, g, b, None, "layer", 1e-5, None).double() - x.double() - want).abs().max()
         assert err <= 2 * err_eager.item() + 1e-3, f"{what}: max error {err:.3e}, eager {err_eager:.3e}"
+
+
+@pytest.mark.skipif(_arch() != 90, reason="bulk tensor copies fill the sm_90 warpgroup-mma stages only")
+@pytest.mark.parametrize("role", ["few_keys", "long", "many_keys", "base"])
+def test_bulk_copy_stages_match_the_16_byte_copies_bit_for_bit(role, monkeypatch):
+    """The TMA-filled stages of the sm_90 wgmma tiles give exactly what their 16-byte-copy twins give (same math in
+    the same order): odd lengths, several batches (rows and keys past the ends must arrive as zeros, not as the
+    next batch's or head's), k/v as transposed views, each mask kind, both head dims the tiles take."""
+    from dataclasses import replace
+
+    monkeypatch.setattr(select, "force_role", role)
+    gen = torch.Generator(device=DEV).manual_seed(int.from_bytes(os.urandom(4), "little"))
+    copies = lambda role, hd, arch=80: replace(tile_for(role, hd, arch), tma=False)  # noqa: E731
+    lengths = ((3, 129, 77), (2, 1, 1), (2, 300, 80), (1, 127, 33))
+    if role != "few_keys":  # several key tiles per head, the last one partial
+        lengths += ((2, 70, 300), (1, 200, 1500))
+    for d, mask in ((64, "none"), (64, "add"), (128, "bool")):
+        cases = [make_inputs(torch.bfloat16, B, Lq, Lk, 4, d, "layer_affine", mask, gen) for B, Lq, Lk in lengths]
+        outs = {}
+        for name, tiles in (("tma", tile_for), ("copies", copies)):
+            monkeypatch.setattr(codegen, "tile_for", tiles)
+            codegen.forget_loaded_kernels()
+            outs[name] = [fused(*c, "layer") for c in cases]
+            assert launch.last_launched.endswith("wgtma_sm90") == (name == "tma"), launch.last_launched
+        for c, a, b in zip(cases, outs["tma"], outs["copies"]):
+            assert torch.isfinite(a).all()
+            assert torch.equal(a, b), f"d {d}, mask {mask}, x {tuple(c[0].shape)}, Lk {c[1].shape[2]}"
+    codegen.forget_loaded_kernels()
+
+
+def test_broadcast_kv_is_read_in_place_and_repeated_keys_are_copied():
+    """k/v broadcast over batch or heads (one key head for every query head) are read where they lie, with no copy
+    and no warning (a tensor map gives the broadcast dim size 1); a key dim with stride 0, which no tensor map
+    describes, is copied with a warning. Both against the float64 reference."""
+    import warnings
+
+    gen = torch.Generator(device=DEV).manual_seed(int.from_bytes(os.urandom(4), "little"))
+    x, k, v, g, b, _ = make_inputs(torch.bfloat16, 3, 130, 77, 4, 64, gen=gen)
+    k = k[:1].expand(3, -1, -1, -1)      # one batch's keys for all three: batch stride 0
+    v = v[:, :1].expand(-1, 4, -1, -1)   # one value head for all four: head stride 0
+    ref = reference64(x, k, v, g, b, None, "layer", 1e-5, None)
+    bound = 2 * rel_l2(eager_block(x, k, v, g, b, None, "layer", 1e-5, None), ref) + 1e-7
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", fusednorm.FusedNormWarning)
+        assert rel_l2(fused(x, k, v, g, b, None, "layer"), ref) <= bound
+    k1 = k[:, :, :1].expand(-1, -1, 77, -1)  # one key repeated: key stride 0
+    ref1 = reference64(x, k1, v, g, b, None, "layer", 1e-5, None)
+    bound1 = 2 * rel_l2(eager_block(x, k1, v, g, b, None, "layer", 1e-5, None), ref1) + 1e-7
+    if _arch() == 90:
+        with pytest.warns(fusednorm.FusedNormWarning, match="tensor map"):
+            y1 = fused(x, k1, v, g, b, None, "layer")
+    else:
+        y1 = fused(x, k1, v, g, b, None, "layer")
+    assert rel_l2(y1, ref1) <= bound1
 
 
 def test_code_rebuilt_under_the_same_key_loads_as_its_own_module(tmp_path, monkeypatch):

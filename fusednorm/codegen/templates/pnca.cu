@@ -20,6 +20,10 @@
 // k-step, A (Q, then P) from registers, B (K, then V) read by the tensor cores straight from the stage, which then
 // holds K and V in the 128-byte-swizzle layout wgmma reads instead of padded rows. No K/V fragments pass through
 // registers, and the warp's row sums of P become per-thread partial sums, added over the quad in the epilogue.
+// With USE_TMA (the sm_90 wgmma tiles) one thread fills a stage with bulk tensor copies (K and V, and on a head's
+// first stage its x slice when needed, through the tensor maps in TmaMaps) that complete on the stage's
+// mbarrier, instead of every thread issuing 16-byte copies: the x slice then lies in the same 128-byte-swizzle
+// layout as K and V (see x_elem_offset).
 // Each warp owns 16 * M_TILES query rows. With KEY_SPLIT > 1 (few query rows, e.g. decode) the warps share the
 // same 16 rows and split each K/V stage between them; their partial softmax states are merged in a fixed order.
 // Needs the configuration constants rendered ahead of this file (see fusednorm/codegen/render.py).
@@ -49,6 +53,13 @@ struct Params {
 };
 static_assert(sizeof(Params) == 232, "Params must match the packing in fusednorm/codegen/launch.py");
 
+// The kernel's second argument: tensor maps of x [B, Lq, D], k and v [B, H, Lk, d] as strided (USE_TMA only; every
+// kernel takes the argument, so that all launch alike). Boxes of 64 columns by BLOCK_M rows (x) or KV_ROWS keys.
+struct TmaMaps {
+  TensorMap x, k, v;
+};
+static_assert(sizeof(TmaMaps) == 384, "TmaMaps must match fusednorm/codegen/launch.py");
+
 constexpr int THREADS = WARPS * 32;
 constexpr int HEAD_DIM_PAD = (HEAD_DIM + 15) / 16 * 16;  // QK^T runs in k-steps of 16; d = 40 pads with zeros
 constexpr int ROW_STRIDE = HEAD_DIM_PAD + 8;             // +16 bytes: the 8 rows of an ldmatrix hit distinct banks
@@ -66,6 +77,7 @@ static_assert(!ONE_TILE || KEY_SPLIT == 1, "one tile per head: every warp sees a
 static_assert(BLOCK_N % 16 == 0 && HEAD_DIM % 8 == 0, "tile shape");
 static_assert(!USE_WGMMA || (M_TILES == 1 && KEY_SPLIT == 1 && WARPS % 4 == 0 && HEAD_DIM % 64 == 0 && !Q_IN_SMEM),
               "wgmma: warps in whole warpgroups, one m-tile each, rows of whole 128-byte swizzle blocks");
+static_assert(!USE_TMA || USE_WGMMA, "bulk tensor copies: the wgmma tiles, whose stages hold the swizzled layout");
 
 // Shared memory, in bytes: K stages, V stages, (Q_IN_SMEM only) one Q tile per warp, STAGES x-slice slots (a
 // head's x slice lives from its first stage to its epilogue, which also stages y there), per-row statistics, (key
@@ -80,7 +92,8 @@ constexpr int AFFINE_SLOT_BYTES = (HAS_SCALE_VEC || HAS_SHIFT_VEC) ? 2 * HEAD_DI
 constexpr int KV_TILE_ELEMS = KV_ROWS * (USE_WGMMA ? HEAD_DIM : ROW_STRIDE);
 constexpr int KV_ROW_BYTES = USE_WGMMA ? 128 : ROW_STRIDE * 2;  // from one row of a stage to the next
 constexpr int Q_TILE_ELEMS = ROWS_PER_WARP * ROW_STRIDE;
-constexpr int X_TILE_ELEMS = BLOCK_M * ROW_STRIDE;
+constexpr int X_ROW_ELEMS = USE_TMA ? 64 : ROW_STRIDE;  // from one row of an x slot to the next (see x_elem_offset)
+constexpr int X_TILE_ELEMS = BLOCK_M * (USE_TMA ? HEAD_DIM : ROW_STRIDE);
 constexpr int OFF_K = 0;
 constexpr int OFF_V = OFF_K + STAGES * KV_TILE_ELEMS * 2;
 constexpr int OFF_Q = OFF_V + STAGES * KV_TILE_ELEMS * 2;
@@ -90,7 +103,10 @@ constexpr int OFF_STAT_PARTS = OFF_STATS + WARPS * ROWS_PER_WARP * 2 * 4;
 constexpr int OFF_COMBINE = OFF_STAT_PARTS + (KEY_SPLIT > 1 ? WARPS * 16 * 2 * 4 : 0);
 constexpr int COMBINE_BYTES = KEY_SPLIT > 1 ? WARPS * 16 * (HEAD_DIM + 2) * 4 : 0;
 constexpr int OFF_AFFINE = OFF_COMBINE + COMBINE_BYTES;
-static_assert(OFF_AFFINE + STAGES * AFFINE_SLOT_BYTES <= SMEM_BYTES, "launch.py's shared-memory size is too small");
+constexpr int OFF_BARS = OFF_AFFINE + STAGES * AFFINE_SLOT_BYTES;  // USE_TMA: one mbarrier per stage
+static_assert(OFF_BARS + (USE_TMA ? STAGES * 8 : 0) <= SMEM_BYTES, "launch.py's shared-memory size is too small");
+static_assert(!USE_TMA || (OFF_X % 1024 == 0 && X_TILE_ELEMS * 2 % 1024 == 0 && OFF_BARS % 8 == 0),
+              "swizzled x slots start on 1024-byte boundaries");
 
 extern __shared__ __align__(1024) u8 smem[];  // carved up as above; named here so that helpers address it directly
 
@@ -124,6 +140,13 @@ FN_INLINE float mask_term(const u8* row, int key) {
   } else {
     return elem_to_f32(reinterpret_cast<const u16*>(row)[key]) * LOG2E_F;
   }
+}
+
+// Element offset of 16-byte chunk c of row r in an x slot, from the warp's first row (a multiple of 8): padded rows,
+// or with USE_TMA 64-element column blocks of BLOCK_M rows of 128 bytes, chunk c of row r at chunk c ^ (r % 8).
+FN_INLINE int x_elem_offset(int r, int c) {
+  if constexpr (USE_TMA) return (c >> 3) * (BLOCK_M * 64) + r * 64 + (((c & 7) ^ (r & 7)) << 3);
+  return r * ROW_STRIDE + c * 8;
 }
 
 // ---- 1. row statistics (one warp, its own rows) ----
@@ -364,7 +387,7 @@ FN_INLINE void q_kstep(const Params& p, const QSource& src, int kk, u32 (&a)[M_T
   for (int mt = 0; mt < M_TILES; ++mt) {
     u32 xa[4];
     if constexpr (!Q_FROM_QRAW)
-      ldmatrix_x4(xa, smem_addr(src.x_tile + (mt * 16 + (lane & 15)) * ROW_STRIDE + kk * 16 + (lane >> 4) * 8));
+      ldmatrix_x4(xa, smem_addr(src.x_tile + x_elem_offset(mt * 16 + (lane & 15), kk * 2 + (lane >> 4))));
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const int i = e & 1, h = e >> 1;
@@ -741,7 +764,7 @@ FN_INLINE void store_output_rows(const Params& p, u16* y_batch, int row0, int co
       if (row0 + r < p.q_len) {
 #pragma unroll
         for (int nt = 0; nt < O_NTILES; ++nt) {
-          u32* xy = reinterpret_cast<u32*>(x_tile + r * ROW_STRIDE + nt * 8 + t2);
+          u32* xy = reinterpret_cast<u32*>(x_tile + x_elem_offset(r, nt) + t2);
           const u32 xp = WRITE_O ? 0u : *xy;  // +0.0 pair: o alone
           const u32 yp = pack2_elem(lo_to_f32(xp) + o[mt][nt][2 * half] * inv,
                                     hi_to_f32(xp) + o[mt][nt][2 * half + 1] * inv);
@@ -761,7 +784,7 @@ FN_INLINE void store_output_rows(const Params& p, u16* y_batch, int row0, int co
 #pragma unroll
     for (int it = 0; it < ROWS_PER_WARP / PASS_ROWS; ++it, yp += step)
       if (it * PASS_ROWS < rows_left)
-        st_global16_stream(yp, *reinterpret_cast<const u32x4*>(x_tile + (r0 + it * PASS_ROWS) * ROW_STRIDE + c));
+        st_global16_stream(yp, *reinterpret_cast<const u32x4*>(x_tile + x_elem_offset(r0 + it * PASS_ROWS, c / 8)));
   } else {
 #pragma unroll
     for (int it = 0; it < (TOTAL + 31) / 32; ++it) {
@@ -769,7 +792,7 @@ FN_INLINE void store_output_rows(const Params& p, u16* y_batch, int row0, int co
       const int r = i / CHUNKS, c = (i % CHUNKS) * 8;
       if ((TOTAL % 32 == 0 || i < TOTAL) && row0 + r < p.q_len) {
         st_global16_stream(y_batch + (long long)(row0 + r) * p.y_ld + col0 + c,
-                           *reinterpret_cast<const u32x4*>(x_tile + r * ROW_STRIDE + c));
+                           *reinterpret_cast<const u32x4*>(x_tile + x_elem_offset(r, c / 8)));
       }
     }
   }
@@ -826,7 +849,7 @@ FN_INLINE void combine_and_store(const Params& p, const u16* x_tile, u16* y_batc
     const float inv = total > 0.f ? 1.f / total : 0.f;
     const long long off = (long long)q * p.y_ld + col0 + c;
     float xf[8];
-    unpack8(WRITE_O ? u32x4{0u, 0u, 0u, 0u} : *reinterpret_cast<const u32x4*>(x_tile + r * ROW_STRIDE + c), xf);
+    unpack8(WRITE_O ? u32x4{0u, 0u, 0u, 0u} : *reinterpret_cast<const u32x4*>(x_tile + x_elem_offset(r, c / 8)), xf);
 #pragma unroll
     for (int e = 0; e < 8; ++e) f[e] = xf[e] + f[e] * inv;
     const u32x4 out = pack8(f);
@@ -867,9 +890,34 @@ FN_INLINE void cursor_advance(const Params& p, StepCursor& c, int key_tiles) {
 // The x-slice slot of a head: its first step's stage when every head is one step, else heads taken in turn.
 FN_INLINE int x_slot(const StepCursor& c, int stage) { return ONE_TILE ? stage : c.head_seq % STAGES; }
 
+// With USE_TMA: one thread arms the stage's barrier with the bytes to come and issues the bulk tensor copies, 64
+// columns at a time (keys and rows past the tensor's end arrive as zeros). A k/v dim broadcast with stride 0 (one
+// key head for all query heads, one batch for all) has size 1 in its map: its coordinate stays 0.
+FN_INLINE void load_step_tma(const Params& p, const TmaMaps& maps, const StepCursor& c, int stage, u16* k_stages,
+                             u16* v_stages, u16* x_slots, u32 bar) {
+  constexpr u32 KV_BOX = KV_ROWS * 128, X_BOX = BLOCK_M * 128;  // bytes per 64-column block
+  const bool with_x = NEEDS_X_SLICE && c.tile == 0;
+  const int kh = p.k_sh != 0 ? c.head : 0, kb = p.k_sb != 0 ? c.b : 0;
+  const int vh = p.v_sh != 0 ? c.head : 0, vb = p.v_sb != 0 ? c.b : 0;
+  mbar_arrive_expect_tx(bar, (HEAD_DIM / 64) * (2 * KV_BOX + (with_x ? X_BOX : 0)));
+  const u32 k_dst = smem_addr(k_stages + stage * KV_TILE_ELEMS), v_dst = smem_addr(v_stages + stage * KV_TILE_ELEMS);
+  const u32 x_dst = smem_addr(x_slots + x_slot(c, stage) * X_TILE_ELEMS);
+#pragma unroll
+  for (int cb = 0; cb < HEAD_DIM / 64; ++cb) {
+    tma_load_4d(k_dst + cb * KV_BOX, &maps.k, cb * 64, c.tile * KV_ROWS, kh, kb, bar);
+    tma_load_4d(v_dst + cb * KV_BOX, &maps.v, cb * 64, c.tile * KV_ROWS, vh, vb, bar);
+    if (with_x) tma_load_3d(x_dst + cb * X_BOX, &maps.x, c.head * HEAD_DIM + cb * 64, c.row_block * BLOCK_M, c.b, bar);
+  }
+}
+
 // Issue the copies of one step into a pipeline stage (and, on a head's first step, its x slice if needed).
-FN_INLINE void load_step(const Params& p, const StepCursor& c, int stage, u16* k_stages, u16* v_stages,
-                         u16* x_slots, u8* affine_slots, int tid) {
+FN_INLINE void load_step(const Params& p, const TmaMaps& maps, const StepCursor& c, int stage, u16* k_stages,
+                         u16* v_stages, u16* x_slots, u8* affine_slots, u32 bars, int tid) {
+  if constexpr (USE_TMA) {
+    if (tid == 0) load_step_tma(p, maps, c, stage, k_stages, v_stages, x_slots, bars + stage * 8);
+    if (c.tile == 0) load_affine_slot(p, c.head, affine_slots + x_slot(c, stage) * AFFINE_SLOT_BYTES, tid);
+    return;
+  }
   load_kv_tile(p, c.b, c.head, c.tile * KV_ROWS, k_stages + stage * KV_TILE_ELEMS, v_stages + stage * KV_TILE_ELEMS,
                tid);
   if (c.tile == 0) {
@@ -879,7 +927,8 @@ FN_INLINE void load_step(const Params& p, const StepCursor& c, int stage, u16* k
   }
 }
 
-extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS_PER_SM) KERNEL_NAME(const Params p) {
+extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS_PER_SM)
+    KERNEL_NAME(const Params p, const __grid_constant__ TmaMaps maps) {
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   u16* k_stages = reinterpret_cast<u16*>(smem + OFF_K);
   u16* v_stages = reinterpret_cast<u16*>(smem + OFF_V);
@@ -890,6 +939,17 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS_PER_SM) KERNEL_NA
   float* stat_parts = reinterpret_cast<float*>(smem + OFF_STAT_PARTS);
   float* combine = reinterpret_cast<float*>(smem + OFF_COMBINE);
   u8* affine_slots = smem + OFF_AFFINE;
+  const u32 bars = smem_addr(smem + OFF_BARS);
+  u32 phases = 0;  // USE_TMA: bit s is the parity of the next phase of stage s's barrier to wait for
+
+  if constexpr (USE_TMA) {
+    if (tid == 0) {
+#pragma unroll
+      for (int s = 0; s < STAGES; ++s) mbar_init(bars + s * 8, 1);  // one arrival: the thread that arms it
+      fence_mbar_init();
+    }
+    __syncthreads();
+  }
 
   if constexpr (HEAD_DIM_PAD > HEAD_DIM) {  // pad columns of every K/V row are read by the last k-step: zero them
     constexpr int PAD = HEAD_DIM_PAD > HEAD_DIM ? HEAD_DIM_PAD - HEAD_DIM : 1;  // (1: never a divisor of 0)
@@ -910,7 +970,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS_PER_SM) KERNEL_NA
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) {
     if (ahead.item < p.items) {
-      load_step(p, ahead, s, k_stages, v_stages, x_slots, affine_slots, tid);
+      load_step(p, maps, ahead, s, k_stages, v_stages, x_slots, affine_slots, bars, tid);
       cursor_advance(p, ahead, key_tiles);
     }
     cp_async_commit();
@@ -946,11 +1006,17 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS_PER_SM) KERNEL_NA
     }
 
     u16* x_tile = x_slots + x_slot(cur, stage) * X_TILE_ELEMS;
-    u16* x_warp = x_tile + (KEY_SPLIT > 1 ? 0 : warp * ROWS_PER_WARP * ROW_STRIDE);
+      u16* x_warp = x_tile + (KEY_SPLIT > 1 ? 0 : warp * ROWS_PER_WARP * X_ROW_ELEMS);
     const int col0 = cur.head * HEAD_DIM;
 
     cp_async_wait<STAGES - 2>();
-    if constexpr (USE_WGMMA) fence_proxy_async();  // this thread's copies, visible to wgmma after the barrier
+    if constexpr (USE_TMA) {  // this step's bulk copies have landed
+      mbar_wait(bars + stage * 8, (phases >> stage) & 1u);
+      phases ^= 1u << stage;
+    }
+    // this thread's copies, visible to wgmma after the barrier; with USE_TMA, its writes to the last step's x slot
+    // ordered before the bulk copy that refills it
+    if constexpr (USE_WGMMA) fence_proxy_async();
     __syncthreads();  // this step's stage is visible to all warps; the stage refilled below is free
     if constexpr (ONE_TILE) {  // the step STAGES - 1 ahead, worked out again rather than carried (registers)
       ahead = cur;
@@ -958,7 +1024,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS_PER_SM) KERNEL_NA
       for (int s = 0; s < STAGES - 1; ++s) cursor_advance(p, ahead, key_tiles);
     }
     if (ahead.item < p.items) {
-      load_step(p, ahead, stage == 0 ? STAGES - 1 : stage - 1, k_stages, v_stages, x_slots, affine_slots, tid);
+      load_step(p, maps, ahead, stage == 0 ? STAGES - 1 : stage - 1, k_stages, v_stages, x_slots, affine_slots, bars,
+                tid);
       if constexpr (!ONE_TILE) cursor_advance(p, ahead, key_tiles);
     }
     cp_async_commit();

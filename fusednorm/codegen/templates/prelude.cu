@@ -137,6 +137,40 @@ FN_INLINE void pin_all(T (&r)[R][C]) {
     for (int j = 0; j < C; ++j) pin(r[i][j]);
 }
 
+// ---- Hopper bulk tensor copies (TMA) and transaction barriers (sm_90; used only when USE_TMA) ----
+// One thread copies a whole box of a tensor into shared memory with one instruction, in the 128-byte-swizzle layout
+// wgmma reads (the tensor map, built on the host, says so); rows outside the tensor arrive as zeros. The copy
+// completes on an mbarrier that the same thread armed with the number of bytes to expect; waiting on the barrier's
+// phase makes the bytes visible to every thread that waited.
+
+struct __align__(64) TensorMap { u64 opaque[16]; };  // a CUtensorMap, passed by value as a __grid_constant__
+
+FN_INLINE void mbar_init(u32 bar, u32 arrivals) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(arrivals) : "memory");
+}
+// Makes the initialised barriers visible to the async proxy (the copies that complete on them).
+FN_INLINE void fence_mbar_init() { asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory"); }
+FN_INLINE void mbar_arrive_expect_tx(u32 bar, u32 bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+// Spins until the barrier has completed the phase of this parity.
+FN_INLINE void mbar_wait(u32 bar, u32 parity) {
+  asm volatile(
+      "{\n.reg .pred done;\nWAIT:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra WAIT;\n}\n" ::"r"(bar), "r"(parity) : "memory");
+}
+FN_INLINE void tma_load_3d(u32 dst, const TensorMap* map, int c0, int c1, int c2, u32 bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], "
+      "[%5];\n" ::"r"(dst), "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(bar) : "memory");
+}
+FN_INLINE void tma_load_4d(u32 dst, const TensorMap* map, int c0, int c1, int c2, int c3, u32 bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, "
+      "%5}], [%6];\n" ::"r"(dst), "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar) : "memory");
+}
+
 // ---- math ----
 
 // 2^x with the MUFU unit; ex2.approx(-inf) is +0, which the masked softmax relies on.
