@@ -30,7 +30,7 @@ class TileConfig:
     m_tiles: int     # 16-row m-tiles per warp
     block_n: int     # keys per warp per pipeline step
     key_split: int   # 1, or == warps: the warps share one m-tile and split each K/V stage between them
-    stages: int      # cp.async pipeline depth
+    stages: int      # pipeline depth (cp.async groups, or with tma mbarrier-tracked bulk copies)
     one_tile: bool = False  # a head's keys all in one stage (chosen only when Lk <= block_n): nothing carried
     wgmma: bool = False     # sm_90: QK^T and P V as warpgroup mma, B straight from shared memory (see WGMMA_HEAD_DIMS)
     tma: bool = False       # sm_90 wgmma only: stages filled by bulk tensor copies on an mbarrier
