@@ -74,3 +74,21 @@ def test_kv_views_become_map_dims_innermost_first_with_broadcast_dims_of_size_on
         assert tensormap.describable(1 << 20, sizes, strides)
     repeated_key = torch.empty(2, 4, 1, 64).expand(2, 4, 77, 64)  # key stride 0: no map describes it
     assert not tensormap.describable(1 << 20, *codegen._kv_map_dims(repeated_key))
+
+
+def test_a_call_finds_its_three_maps_with_one_lookup(fake_encoder, monkeypatch):
+    from fusednorm.codegen.spec import tile_for
+
+    monkeypatch.setattr(codegen, "_maps_by_call", {})
+    tile = tile_for("few_keys", 64, 90)
+    x = torch.empty(2, 130, 256, dtype=torch.bfloat16)
+    k = torch.empty(2, 77, 4, 64, dtype=torch.bfloat16).transpose(1, 2)
+    v = torch.empty(2, 77, 4, 64, dtype=torch.bfloat16).transpose(1, 2)
+    maps = codegen._tma_maps(tile, x, k, v)
+    assert len(maps) == 3 * tensormap.MAP_BYTES and len(fake_encoder) == 3
+    x_call, k_call, _ = fake_encoder
+    assert (x_call["dims"], x_call["box"]) == ([256, 130, 2], [64, tile.block_m, 1])
+    assert (k_call["dims"], k_call["box"]) == ([64, 77, 4, 2], [64, tile.kv_rows, 1, 1])
+    assert codegen._tma_maps(tile, x, k, v) is maps and len(fake_encoder) == 3
+    k2 = k.clone()  # the same layout elsewhere: k's map is encoded again, x's and v's come from the cache
+    assert codegen._tma_maps(tile, x, k2, v) != maps and len(fake_encoder) == 4

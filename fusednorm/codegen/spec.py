@@ -82,7 +82,9 @@ def tile_for(role: str, head_dim: int, arch: int = 80) -> TileConfig:
     if role == "many_keys" and not (arch == 90 and head_dim == 64):
         return tile_for("long", head_dim, arch)  # only the sm_90 d-64 long tile has a many_keys variant
     if arch == 90 and head_dim in WGMMA_HEAD_DIMS and role in WGMMA_ROLES:
-        # stages filled by bulk tensor copies, one thread issuing them (few_keys: seed -5.5 %, SDXL -4 %, 12-03)
+        # stages filled by bulk tensor copies, one thread issuing them (against the 16-byte-copy twins, same run:
+        # seed -5.5 %, T5 -5 %, Whisper prefill -8.5 %; against the day's earlier kernel the few-key shapes are
+        # level, T5 -3 %, prefill -7 %: docs/PERF.md, 12-03 sixth run)
         wg = dict(key_split=1, stages=2, wgmma=True, tma=True)
         if role == "few_keys":
             return TileConfig(warps=8, m_tiles=1, block_n=FEW_KEYS, one_tile=True, **wg)

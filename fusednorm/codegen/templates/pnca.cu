@@ -1006,7 +1006,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS_PER_SM)
     }
 
     u16* x_tile = x_slots + x_slot(cur, stage) * X_TILE_ELEMS;
-      u16* x_warp = x_tile + (KEY_SPLIT > 1 ? 0 : warp * ROWS_PER_WARP * X_ROW_ELEMS);
+    u16* x_warp = x_tile + (KEY_SPLIT > 1 ? 0 : warp * ROWS_PER_WARP * X_ROW_ELEMS);
     const int col0 = cur.head * HEAD_DIM;
 
     cp_async_wait<STAGES - 2>();
