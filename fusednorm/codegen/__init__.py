@@ -116,15 +116,19 @@ _plans: dict[tuple, "_select.LaunchPlan"] = {}
 _sm_counts: dict[int, int] = {}
 
 
-def _fast_operand(t: torch.Tensor, what: str) -> torch.Tensor:
-    """k/v as the kernel reads them: last dim contiguous, 16-byte aligned rows. Otherwise a contiguous copy."""
+def _fast_operand(t: torch.Tensor, what: str, tensor_map: bool) -> torch.Tensor:
+    """k/v as the kernel reads them: last dim contiguous, 16-byte aligned rows, and for a kernel whose stages are
+    bulk copies a layout a tensor map describes. Otherwise a contiguous copy."""
     s = t.stride()
-    if s[3] == 1 and s[0] % 8 == 0 and s[1] % 8 == 0 and s[2] % 8 == 0 and t.data_ptr() % 16 == 0:
+    if not (s[3] == 1 and s[0] % 8 == 0 and s[1] % 8 == 0 and s[2] % 8 == 0 and t.data_ptr() % 16 == 0):
+        reason = "is not laid out for 16-byte loads"
+    elif tensor_map and not _tensormap.describable(t.data_ptr(), *_kv_map_dims(t)):
+        reason = "has a layout no tensor map describes (a key dim of stride 0?)"
+    else:
         return t
     from ..warn import warn_once
 
-    warn_once(f"fusednorm: {what} is not laid out for 16-byte loads (strides {tuple(t.stride())}); "
-              "copying it to a contiguous tensor on every call")
+    warn_once(f"fusednorm: {what} {reason} (strides {tuple(s)}); copying it to a contiguous tensor on every call")
     return t.clone(memory_format=torch.contiguous_format)  # not .contiguous(): a no-op on a misaligned contiguous t
 
 
@@ -183,8 +187,6 @@ def run_kernel(x, k, v, gamma, beta, mask, norm, eps, scale, sm_count, check_num
     _, H, Lk, d = k.shape
     if not x.is_contiguous() or x.data_ptr() % 16 != 0:
         x = x.contiguous() if not x.is_contiguous() else x.clone()
-    k = _fast_operand(k, "k")
-    v = _fast_operand(v, "v")
     gamma = _param_vector(gamma, x.dtype)
     beta = _param_vector(beta, x.dtype)
     affine = gamma if gamma is not None else beta
@@ -212,8 +214,8 @@ def run_kernel(x, k, v, gamma, beta, mask, norm, eps, scale, sm_count, check_num
     if kernel.spec.tile.one_tile and Lk > kernel.spec.tile.block_n:  # the kernel would drop keys: never launch it
         raise RuntimeError(f"fusednorm: internal error: {kernel.spec.key} takes at most "
                            f"{kernel.spec.tile.block_n} keys, got Lk = {Lk}")
-    if kernel.spec.tile.tma:
-        k, v = _tma_operand(k, "k"), _tma_operand(v, "v")
+    k = _fast_operand(k, "k", kernel.spec.tile.tma)
+    v = _fast_operand(v, "v", kernel.spec.tile.tma)
     pkey = (role, id(kernel), B, Lq, Lk, H, sms)
     plan = _plans.get(pkey)
     if plan is None:
@@ -343,16 +345,6 @@ def _tma_maps(tile, x: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bytes:
     _maps_by_call[key] = maps
     return maps
 
-
-def _tma_operand(t: torch.Tensor, what: str) -> torch.Tensor:
-    """k/v as a tensor map can describe them, else a contiguous copy with a one-time warning."""
-    if _tensormap.describable(t.data_ptr(), *_kv_map_dims(t)):
-        return t
-    from ..warn import warn_once
-
-    warn_once(f"fusednorm: {what} has strides {tuple(t.stride())} that a tensor map cannot describe; "
-              "copying it to a contiguous tensor on every call")
-    return t.clone(memory_format=torch.contiguous_format)
 
 
 def _stage_pointers(stage: StageIO | None) -> tuple:
