@@ -346,7 +346,6 @@ def _tma_maps(tile, x: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bytes:
     return maps
 
 
-
 def _stage_pointers(stage: StageIO | None) -> tuple:
     if stage is None or stage.qraw is None:
         return 0, 0, 0

@@ -17,7 +17,8 @@ _UINT16 = 1  # bf16 and fp16 move as 16-bit words; rows past the tensor arrive a
 
 
 class TensorMapError(RuntimeError):
-    """libcuda refused a tensor map (alignment or strides it cannot describe); callers copy the tensor instead."""
+    """libcuda refused a tensor map. Callers copy what ``describable`` rejects beforehand, so this names the map
+    asked for rather than falling back."""
 
 
 _encode_fn = None
