@@ -146,14 +146,13 @@ def test_role_follows_lengths():
     assert select.tile_role(2048, 81, 32, 16, sm_count=2000) == "base"  # a bigger GPU wants more items
 
 
-def test_softmax_scale_goes_into_q_only_where_fp16_q_stays_exact():
-    from fusednorm.codegen import _scale_split
+def test_softmax_scale_reaches_the_kernel_in_log2_units():
+    from fusednorm.codegen import _scale_log2
     log2e = 1.4426950408889634
-    for d in HEAD_DIMS:  # every default scale: all of it into Q, the per-score multiply skipped (exactly 1)
-        assert _scale_split(d ** -0.5) == (d ** -0.5 * log2e, 1.0)
-    assert _scale_split(-0.3) == (-0.3 * log2e, 1.0)  # the sign rides in Q too
-    for scale in (1.0, 50.0, 1e-4, 0.0, -2.0):  # could overflow or underflow fp16 Q: the scores take it all
-        assert _scale_split(scale) == (1.0, scale * log2e)
+    for d in HEAD_DIMS:  # the default is 1 / sqrt(d)
+        assert _scale_log2(None, d) == d ** -0.5 * log2e
+    for scale in (1.0, 50.0, 1e-4, 0.0, -2.0):  # as given (a scale <= 0 takes the kernel's pre-scaled path)
+        assert _scale_log2(scale, 64) == scale * log2e
 
 
 def test_many_keys_tile_is_the_long_tile_except_on_sm90_with_small_heads():

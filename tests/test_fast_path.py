@@ -462,7 +462,7 @@ def test_launch_packs_params_into_a_per_thread_buffer(monkeypatch):
     monkeypatch.setattr(launch, "_raw_launch", None)  # no libcuda: the cuda-python binding launches
     kernel = SimpleNamespace(function="fn", handle=1, threads=256, smem_bytes=4096, device_index=0,
                              spec=SimpleNamespace(key="k"))
-    tail = tuple(range(1, 22)) + (1e-5, 0.18, 1.0)  # 11 strides, 10 sizes, eps, q_scale, score_scale
+    tail = tuple(range(1, 22)) + (1e-5, 0.18)  # 11 strides, 10 sizes, eps, scale_log2
     before = launch.launch_count
 
     def two_launches(base):
@@ -500,7 +500,7 @@ def test_the_ctypes_launch_is_used_and_a_failure_goes_to_the_binding(monkeypatch
         CUDA_SUCCESS=0, CUDA_ERROR_INVALID_CONTEXT=201)))
     kernel = SimpleNamespace(function="fn", handle=0xABC, threads=128, smem_bytes=1024, device_index=0,
                              spec=SimpleNamespace(key="k"))
-    tail = tuple(range(1, 22)) + (1e-5, 0.18, 1.0)
+    tail = tuple(range(1, 22)) + (1e-5, 0.18)
     pointers = tuple(range(500, 500 + launch.POINTERS))
     before = launch.launch_count
     launch.launch(kernel, 3, 77, pointers, tail)

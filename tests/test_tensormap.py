@@ -76,7 +76,7 @@ def test_kv_views_become_map_dims_innermost_first_with_broadcast_dims_of_size_on
     assert not tensormap.describable(1 << 20, *codegen._kv_map_dims(repeated_key))
 
 
-def test_a_call_finds_its_three_maps_with_one_lookup(fake_encoder, monkeypatch):
+def test_a_call_finds_its_four_maps_with_one_lookup(fake_encoder, monkeypatch):
     from fusednorm.codegen.spec import tile_for
 
     monkeypatch.setattr(codegen, "_maps_by_call", {})
@@ -84,11 +84,14 @@ def test_a_call_finds_its_three_maps_with_one_lookup(fake_encoder, monkeypatch):
     x = torch.empty(2, 130, 256, dtype=torch.bfloat16)
     k = torch.empty(2, 77, 4, 64, dtype=torch.bfloat16).transpose(1, 2)
     v = torch.empty(2, 77, 4, 64, dtype=torch.bfloat16).transpose(1, 2)
-    maps = codegen._tma_maps(tile, x, k, v)
-    assert len(maps) == 3 * tensormap.MAP_BYTES and len(fake_encoder) == 3
-    x_call, k_call, _ = fake_encoder
+    y = torch.empty(2, 130, 264, dtype=torch.bfloat16)  # the plan's o: a ones column past the heads
+    maps = codegen._tma_maps(tile, x, k, v, y)
+    assert len(maps) == 4 * tensormap.MAP_BYTES == codegen._launch.MAPS_BYTES and len(fake_encoder) == 4
+    x_call, k_call, _, y_call = fake_encoder
     assert (x_call["dims"], x_call["box"]) == ([256, 130, 2], [64, tile.block_m, 1])
     assert (k_call["dims"], k_call["box"]) == ([64, 77, 4, 2], [64, tile.kv_rows, 1, 1])
-    assert codegen._tma_maps(tile, x, k, v) is maps and len(fake_encoder) == 3
-    k2 = k.clone()  # the same layout elsewhere: k's map is encoded again, x's and v's come from the cache
-    assert codegen._tma_maps(tile, x, k2, v) != maps and len(fake_encoder) == 4
+    assert (y_call["dims"], y_call["box"]) == ([264, 130, 2], [64, tile.rows_per_warp, 1])
+    assert y_call["strides"] == [2 * 264, 2 * 264 * 130]
+    assert codegen._tma_maps(tile, x, k, v, y) is maps and len(fake_encoder) == 4
+    k2 = k.clone()  # the same layout elsewhere: k's map is encoded again, the others come from the cache
+    assert codegen._tma_maps(tile, x, k2, v, y) != maps and len(fake_encoder) == 5

@@ -224,13 +224,12 @@ def run_kernel(x, k, v, gamma, beta, mask, norm, eps, scale, sm_count, check_num
         plan = _plans[pkey] = _select.plan_launch(role, kernel.spec.tile, B, Lq, Lk, H, d, sms, kernel.ctas_per_sm)
 
     ks, vs = k.stride(), v.stride()
-    q_scale, score_scale = _scale_split(d ** -0.5 if scale is None else float(scale))
     out_cols = stage.o_cols or D
     call = CallPlan(kernel, plan.grid, bool(check_numerics), (
         ks[0], ks[1], ks[2], vs[0], vs[1], vs[2], m_strides[0], m_strides[1], m_strides[2],
         stage.qraw.stride(0) if stage.qraw is not None else 0, out_cols,
         B, Lq, Lk, H, D, plan.heads_per_item, plan.head_groups, plan.row_blocks, plan.items,
-        int(stage.o_cols > H * d), float(eps), q_scale, score_scale), out_cols)
+        int(stage.o_cols > H * d), float(eps), _scale_log2(scale, d)), out_cols)
     y = launch_call(call, x, k, v, gamma, beta, mask, stage)
     # A hit hands the caller's tensors to the kernel unprepared, so only a call that needed no copy or conversion
     # is cached (a mask view keeps its pointer; a copy cannot share it while the caller's mask is alive).
@@ -242,12 +241,9 @@ def run_kernel(x, k, v, gamma, beta, mask, norm, eps, scale, sm_count, check_num
     return y
 
 
-def _scale_split(scale: float) -> tuple[float, float]:
-    """The softmax scale in log2 units as (into Q before rounding, onto the scores): all of it goes into Q when
-    Q * scale can neither overflow nor lose precision to subnormals in fp16 (1/64 <= |scale| <= 1: every
-    1/sqrt(d)), so the kernel skips a multiply per score; otherwise Q stays as is and the scores take all of it."""
-    s = scale * 1.4426950408889634
-    return (s, 1.0) if 1 / 64 <= abs(s) <= 1 else (1.0, s)
+def _scale_log2(scale: float | None, head_dim: int) -> float:
+    """The softmax scale (1 / sqrt(d) when None) in log2 units, as the kernel's exponent uses it."""
+    return (head_dim ** -0.5 if scale is None else float(scale)) * 1.4426950408889634
 
 
 # ---- the per-call signature cache: eager calls shaped like an earlier one skip the checks and the planning ----
@@ -309,7 +305,7 @@ def launch_call(call: CallPlan, x, k, v, gamma, beta, mask, stage: StageIO | Non
                 gamma.data_ptr() if gamma is not None else 0, beta.data_ptr() if beta is not None else 0,
                 mask.data_ptr() if mask is not None else 0, flag.data_ptr() if flag is not None else 0,
                 *_stage_pointers(stage))
-    maps = _tma_maps(call.kernel.spec.tile, x, k, v) if call.kernel.spec.tile.tma else b""
+    maps = _tma_maps(call.kernel.spec.tile, x, k, v, y) if call.kernel.spec.tile.tma else b""
     _launch.launch(call.kernel, call.grid, _raw_stream(device_index), pointers, call.tail, maps)
     if flag is not None:
         _raise_if_flagged(flag, call.kernel.spec.key)
@@ -327,19 +323,22 @@ def _kv_map_dims(t: torch.Tensor) -> tuple[tuple, tuple]:
 _maps_by_call: dict[tuple, bytes] = {}  # one lookup per call where three would cost ~1.5 µs more
 
 
-def _tma_maps(tile, x: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bytes:
+def _tma_maps(tile, x: torch.Tensor, k: torch.Tensor, v: torch.Tensor, y: torch.Tensor) -> bytes:
     """TmaMaps for a tile whose stages are bulk copies: x (contiguous) as [B, Lq, D] in boxes of 64 columns by the
-    tile's rows, k and v as strided [B, H, Lk, d] in boxes of 64 columns by a stage's keys (dims innermost first)."""
-    key = (x.data_ptr(), k.data_ptr(), v.data_ptr(), x.shape, k.shape, k.stride(), v.stride(), tile.block_m,
-           tile.kv_rows)
+    tile's rows, k and v as strided [B, H, Lk, d] in boxes of 64 columns by a stage's keys, y (contiguous, D or the
+    stage's o columns) in boxes of 64 columns by a warp's rows (dims innermost first)."""
+    key = (x.data_ptr(), k.data_ptr(), v.data_ptr(), y.data_ptr(), x.shape, y.shape, k.shape, k.stride(), v.stride(),
+           tile.block_m, tile.kv_rows)
     hit = _maps_by_call.get(key)
     if hit is not None:
         return hit
     B, Lq, D = x.shape
+    cols = y.shape[2]
     kv_box = (64, tile.kv_rows, 1, 1)
     maps = (_tensormap.tile_map(x.data_ptr(), (D, Lq, B), (1, D, Lq * D), (64, tile.block_m, 1))
             + _tensormap.tile_map(k.data_ptr(), *_kv_map_dims(k), kv_box)
-            + _tensormap.tile_map(v.data_ptr(), *_kv_map_dims(v), kv_box))
+            + _tensormap.tile_map(v.data_ptr(), *_kv_map_dims(v), kv_box)
+            + _tensormap.tile_map(y.data_ptr(), (cols, Lq, B), (1, cols, Lq * cols), (64, tile.rows_per_warp, 1)))
     if len(_maps_by_call) >= _CALL_PLANS_MAX:
         _maps_by_call.clear()
     _maps_by_call[key] = maps

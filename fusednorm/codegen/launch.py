@@ -14,12 +14,12 @@ import torch
 from .cache import CompiledKernel
 from .spec import KernelSpec
 
-# The kernel's single argument, ``struct Params`` in templates/pnca.cu: 11 pointers, 11 int64 strides, 10 int32
-# sizes, 3 floats, padding to the struct's 8-byte alignment. The template static_asserts the same size.
-PARAMS = struct.Struct("<11Q11q10i3f4x")
+# The kernel's first argument, ``struct Params`` in templates/pnca.cu: 11 pointers, 11 int64 strides, 10 int32
+# sizes, 2 floats. The template static_asserts the same size.
+PARAMS = struct.Struct("<11Q11q10i2f")
 POINTERS = 11
-assert PARAMS.size == 232
-MAPS_BYTES = 384  # the second argument, ``struct TmaMaps``: three 128-byte tensor maps (x, k, v), read by tma tiles
+assert PARAMS.size == 224
+MAPS_BYTES = 512  # the second argument, ``struct TmaMaps``: four 128-byte tensor maps (x, k, v, y), read by tma tiles
 
 launch_count = 0  # kernels launched by this process; tests read it to prove the generated kernel ran
 last_launched = ""  # the key of the last kernel launched (tests read it to see which specialisation ran)

@@ -8,11 +8,10 @@
 // steps (item, head, key tile), and a cp.async pipeline STAGES deep runs ahead along it, across heads and items:
 // each stage brings one K and one V tile, and a head's first stage also brings that head's slice of x and its
 // norm parameters. Per item, each warp computes its rows' statistics over the full model dim (sums on the tensor
-// cores; rows with |mean| >> std exactly, by Welford: see row_statistics). Per head: Q = norm(x slice) times the
-// softmax scale in log2 units, rounded to the element type once (as eager rounds the norm's output; the scale rides
-// along where that cannot overflow, see Params), then FlashAttention-2 style attention over every key (mma.sync
-// m16n8k16, online softmax in exp2), then y = x + o for that head's columns, rounded once, staged in the x slice
-// for 16-byte stores.
+// cores; rows with |mean| >> std exactly, by Welford: see row_statistics). Per head: Q = norm(x slice), rounded to
+// the element type once (as eager rounds the norm's output), then FlashAttention-2 style attention over every key
+// (mma.sync m16n8k16, online softmax in exp2, the scale applied to the fp32 scores inside the exponent's FFMA), then
+// y = x + o for that head's columns, rounded once, staged in the x slice for 16-byte stores.
 // With ONE_TILE (the run-time choice makes it so only when Lk <= BLOCK_N) a head is one step: its accumulators
 // live within the step, so none of them is carried around the loop (fewer registers, more warps per SM), and the
 // online-softmax rescale disappears.
@@ -23,7 +22,7 @@
 // With USE_TMA (the sm_90 wgmma tiles) one thread fills a stage with bulk tensor copies (K and V, and on a head's
 // first stage its x slice when needed, through the tensor maps in TmaMaps) that complete on the stage's
 // mbarrier, instead of every thread issuing 16-byte copies: the x slice then lies in the same 128-byte-swizzle
-// layout as K and V (see x_elem_offset).
+// layout as K and V (see x_elem_offset); and each warp's y rows, staged there, leave by one bulk tensor store.
 // Each warp owns 16 * M_TILES query rows. With KEY_SPLIT > 1 (few query rows, e.g. decode) the warps share the
 // same 16 rows and split each K/V stage between them; their partial softmax states are merged in a fixed order.
 // Needs the configuration constants rendered ahead of this file (see fusednorm/codegen/render.py).
@@ -48,17 +47,17 @@ struct Params {
   int heads_per_item, head_groups, row_blocks, items;
   int ones_col;                // WRITE_O: also write [1, 0 x 7] at column H * d of every row
   float eps;
-  float q_scale;      // multiplies Q before rounding: the softmax scale in log2 units, when in [1/64, 1], else 1
-  float score_scale;  // the rest of the scale, applied to the scores (1 for every usual scale: then skipped)
+  float scale_log2;            // the softmax scale times log2(e): scores are exponentiated as exp2(s * scale_log2 - m)
 };
-static_assert(sizeof(Params) == 232, "Params must match the packing in fusednorm/codegen/launch.py");
+static_assert(sizeof(Params) == 224, "Params must match the packing in fusednorm/codegen/launch.py");
 
 // The kernel's second argument: tensor maps of x [B, Lq, D], k and v [B, H, Lk, d] as strided (USE_TMA only; every
-// kernel takes the argument, so that all launch alike). Boxes of 64 columns by BLOCK_M rows (x) or KV_ROWS keys.
+// kernel takes the argument, so that all launch alike), and of y [B, Lq, y_ld]. Boxes of 64 columns by BLOCK_M
+// rows (x), KV_ROWS keys (k, v) or ROWS_PER_WARP rows (y: each warp stores its own rows).
 struct TmaMaps {
-  TensorMap x, k, v;
+  TensorMap x, k, v, y;
 };
-static_assert(sizeof(TmaMaps) == 384, "TmaMaps must match fusednorm/codegen/launch.py");
+static_assert(sizeof(TmaMaps) == 512, "TmaMaps must match fusednorm/codegen/launch.py");
 
 constexpr int THREADS = WARPS * 32;
 constexpr int HEAD_DIM_PAD = (HEAD_DIM + 15) / 16 * 16;  // QK^T runs in k-steps of 16; d = 40 pads with zeros
@@ -322,7 +321,6 @@ FN_INLINE void row_statistics(const Params& p, const u16* x_batch, int row0, flo
 // Rows past Lq and the pad columns of d = 40 come out as 0.
 // With Q_FROM_QRAW the same registers are q = rstd * (qraw - mean * u) + b' = qraw * rstd + (shift * u + b'), read
 // from qraw (float32) instead of x; ga/be then hold u and b'.
-// Either way Q is multiplied by q_scale before rounding (see Params).
 
 // A head's norm parameters come with its pipeline stage (see load_affine_slot) rather than from global memory
 // when Q is built: a global load there stalled every head's first k-step.
@@ -337,7 +335,7 @@ FN_INLINE float2 affine_f32(const u32& v) { return make_float2(lo_to_f32(v), hi_
 // What the fragments of one head are made from: the warp's rows' statistics, and where the rows' x (or qraw) and
 // the head's norm parameters lie.
 struct QSource {
-  float rs[M_TILES][2], shift[M_TILES][2], rq[M_TILES][2];  // h = (x * rs + shift) * gamma + beta; rq = rs * q_scale
+  float rs[M_TILES][2], shift[M_TILES][2];  // h = (x * rs + shift) * gamma + beta
   bool live[M_TILES][2];                                     // row < Lq
   const u16* x_tile;                                         // the warp's rows of the head's x slice
   const float* q_rows;                                       // Q_FROM_QRAW: the warp's first row of qraw
@@ -357,7 +355,6 @@ FN_INLINE QSource q_source(const Params& p, int row0, int col0, const float* mea
       src.live[mt][i] = row0 + r < p.q_len;
       src.rs[mt][i] = rstd_s[r];
       src.shift[mt][i] = -mean_s[r] * src.rs[mt][i];
-      src.rq[mt][i] = src.rs[mt][i] * p.q_scale;
     }
   src.x_tile = x_tile;
   src.q_rows = q_rows;
@@ -369,7 +366,7 @@ FN_INLINE QSource q_source(const Params& p, int row0, int col0, const float* mea
 // The fragments of k-step kk, for every m-tile of the warp.
 FN_INLINE void q_kstep(const Params& p, const QSource& src, int kk, u32 (&a)[M_TILES][4], int lane) {
   const int g = lane >> 2, t2 = (lane & 3) * 2;
-  float2 ga[2], be[2];  // this thread's columns of the k-step, per half (u and b' with Q_FROM_QRAW), times q_scale
+  float2 ga[2], be[2];  // this thread's columns of the k-step, per half (u and b' with Q_FROM_QRAW)
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int c = kk * 16 + t2 + h * 8;
@@ -380,8 +377,6 @@ FN_INLINE void q_kstep(const Params& p, const QSource& src, int kk, u32 (&a)[M_T
     // absent: gamma is 1; u (RMS: no mean), beta and b' are 0
     ga[h] = HAS_SCALE_VEC && real ? affine_f32(*vec) : make_float2(Q_FROM_QRAW ? 0.f : 1.f, Q_FROM_QRAW ? 0.f : 1.f);
     be[h] = HAS_SHIFT_VEC && real ? affine_f32(*shift_vec) : make_float2(0.f, 0.f);
-    ga[h].x *= p.q_scale; ga[h].y *= p.q_scale;  // q * s = (x * rs + shift) * (gamma * s) + beta * s
-    be[h].x *= p.q_scale; be[h].y *= p.q_scale;
   }
 #pragma unroll
   for (int mt = 0; mt < M_TILES; ++mt) {
@@ -398,8 +393,8 @@ FN_INLINE void q_kstep(const Params& p, const QSource& src, int kk, u32 (&a)[M_T
         if (src.live[mt][i] && !pad)
           qr = *reinterpret_cast<const float2*>(src.q_rows + (long long)(mt * 16 + g + 8 * i) * p.q_ld + src.col0 +
                                                 kk * 16 + t2 + 8 * h);
-        lo = fmaf(qr.x, src.rq[mt][i], fmaf(src.shift[mt][i], ga[h].x, be[h].x));
-        hi = fmaf(qr.y, src.rq[mt][i], fmaf(src.shift[mt][i], ga[h].y, be[h].y));
+        lo = fmaf(qr.x, src.rs[mt][i], fmaf(src.shift[mt][i], ga[h].x, be[h].x));
+        hi = fmaf(qr.y, src.rs[mt][i], fmaf(src.shift[mt][i], ga[h].y, be[h].y));
       } else {
         lo = fmaf(fmaf(lo_to_f32(xa[e]), src.rs[mt][i], src.shift[mt][i]), ga[h].x, be[h].x);
         hi = fmaf(fmaf(hi_to_f32(xa[e]), src.rs[mt][i], src.shift[mt][i]), ga[h].y, be[h].y);
@@ -586,9 +581,13 @@ FN_INLINE void attend_tile(const Params& p, const QSource& src,
   }
   }  // USE_WGMMA
 
-  // The scores are in log2 units already (the scale went into Q). What is left: the rest of the scale when not all
-  // of it could go into Q (never for 1/sqrt(d)), the mask, and keys past Lk, which only the edge n-tiles hold.
-  if (MASK_KIND != 0 || p.score_scale != 1.f) {
+  // The scores are raw Q K^T: the scale (in log2 units) is applied inside the exponent, exp2(s * c - m), one FFMA
+  // per score, with m the running maximum in scaled units (the raw maximum times c, as c > 0). With a mask, or a
+  // scale that is not positive, the scores are scaled first (z = s * scale + mask) and c is 1. Keys past Lk, which
+  // only the edge n-tiles hold, become -inf.
+  const bool prescale = MASK_KIND != 0 || !(p.scale_log2 > 0.f);
+  const float c = prescale ? 1.f : p.scale_log2;
+  if (prescale) {
     const u8* mask_rows[M_TILES][2];  // null for query rows past Lq
     if constexpr (MASK_KIND != 0) {
 #pragma unroll
@@ -607,12 +606,13 @@ FN_INLINE void attend_tile(const Params& p, const QSource& src,
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           if (FILL == FILL_ANY && nt / 2 * 16 >= valid) continue;  // a key pair never computed: skipped here and by P V
-          float z = s[mt][nt][e] * p.score_scale;
           const int key = nt * 8 + t2 + (e & 1);
+          float term = 0.f;
           if constexpr (MASK_KIND != 0) {
             const u8* row = mask_rows[mt][e >> 1];
-            if (row != nullptr && key < valid) z += mask_term(row, key0 + key);
+            if (row != nullptr && key < valid) term = mask_term(row, key0 + key);
           }
+          float z = fmaf(s[mt][nt][e], p.scale_log2, term);
           if (FILL != FILL_ALL && key >= valid) z = neg_inf();
           s[mt][nt][e] = z;
         }
@@ -643,7 +643,7 @@ FN_INLINE void attend_tile(const Params& p, const QSource& src,
         if (FILL != FILL_ANY || nt / 2 * 16 < valid)
           mx = fmaxf(mx, fmaxf(s[mt][nt][2 * half], s[mt][nt][2 * half + 1]));
       mx = fmaxf(mx, __shfl_xor_sync(FULL_WARP, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(FULL_WARP, mx, 2));
+      mx = fmaxf(mx, __shfl_xor_sync(FULL_WARP, mx, 2)) * c;
       const float m_new = first ? mx : fmaxf(m[mt][half], mx);
       const float m_use = m_new == neg_inf() ? 0.f : m_new;
       const float alpha = first ? 0.f : fast_exp2(m[mt][half] - m_use);
@@ -655,7 +655,8 @@ FN_INLINE void attend_tile(const Params& p, const QSource& src,
           pk[mt][nt][half] = 0u;  // USE_WGMMA: p = 0 for its k-steps past the keys (mma.sync skips them)
           continue;
         }
-        const float e0 = fast_exp2(s[mt][nt][2 * half] - m_use), e1 = fast_exp2(s[mt][nt][2 * half + 1] - m_use);
+        const float e0 = fast_exp2(fmaf(s[mt][nt][2 * half], c, -m_use));
+        const float e1 = fast_exp2(fmaf(s[mt][nt][2 * half + 1], c, -m_use));
         pk[mt][nt][half] = pack2_elem(e0, e1);  // packed at once: the fp32 scores die here, not after P V
         if constexpr (USE_WGMMA) row_part += e0 + e1;
       }
@@ -744,9 +745,37 @@ FN_INLINE void store_ones_chunk(const Params& p, u16* y_batch, int q) {
   st_global16_stream(y_batch + (long long)q * p.y_ld + p.heads * HEAD_DIM, u32x4{pack2_elem(1.f, 0.f), 0u, 0u, 0u});
 }
 
+// The warp's rows of y, staged in its x slice, to global memory in 16-byte stores (rows past Lq are skipped).
+FN_INLINE void store_staged_rows(const Params& p, u16* y_batch, int row0, int col0, const u16* x_tile, int lane) {
+  constexpr int TOTAL = ROWS_PER_WARP * CHUNKS;
+  if constexpr (32 % CHUNKS == 0) {  // each pass covers whole rows: one pointer, stepped (d = 32, 64, 128, 256)
+    constexpr int PASS_ROWS = 32 / CHUNKS;
+    const int r0 = lane / CHUNKS, c = (lane % CHUNKS) * 8;
+    u16* yp = y_batch + (long long)(row0 + r0) * p.y_ld + col0 + c;
+    const long long step = (long long)PASS_ROWS * p.y_ld;
+    const int rows_left = p.q_len - row0 - r0;
+#pragma unroll
+    for (int it = 0; it < ROWS_PER_WARP / PASS_ROWS; ++it, yp += step)
+      if (it * PASS_ROWS < rows_left)
+        st_global16_stream(yp, *reinterpret_cast<const u32x4*>(x_tile + x_elem_offset(r0 + it * PASS_ROWS, c / 8)));
+  } else {
+#pragma unroll
+    for (int it = 0; it < (TOTAL + 31) / 32; ++it) {
+      const int i = lane + it * 32;
+      const int r = i / CHUNKS, c = (i % CHUNKS) * 8;
+      if ((TOTAL % 32 == 0 || i < TOTAL) && row0 + r < p.q_len) {
+        st_global16_stream(y_batch + (long long)(row0 + r) * p.y_ld + col0 + c,
+                           *reinterpret_cast<const u32x4*>(x_tile + x_elem_offset(r, c / 8)));
+      }
+    }
+  }
+}
+
 // One warp, its own rows. x comes from the head's x slice in shared memory, and y overwrites it there (each element
-// is read and written by the same thread) so that the global stores are 16 bytes wide.
-FN_INLINE void store_output_rows(const Params& p, u16* y_batch, int row0, int col0,
+// is read and written by the same thread) so that the global stores are 16 bytes wide, or with USE_TMA one bulk
+// tensor store per 64 columns, issued by lane 0 (rows past Lq are clipped by the map; the main loop waits for the
+// store to have read the slot before the slot is refilled).
+FN_INLINE void store_output_rows(const Params& p, const TmaMaps& maps, int b, u16* y_batch, int row0, int col0,
                                  const float (&o)[M_TILES][O_NTILES][4], const float (&l)[M_TILES][2], u16* x_tile,
                                  int lane, bool& bad) {
   const int g = lane >> 2, t2 = (lane & 3) * 2;
@@ -773,28 +802,18 @@ FN_INLINE void store_output_rows(const Params& p, u16* y_batch, int row0, int co
         }
       }
     }
-  __syncwarp();
-  constexpr int TOTAL = ROWS_PER_WARP * CHUNKS;
-  if constexpr (32 % CHUNKS == 0) {  // each pass covers whole rows: one pointer, stepped (d = 32, 64, 128, 256)
-    constexpr int PASS_ROWS = 32 / CHUNKS;
-    const int r0 = lane / CHUNKS, c = (lane % CHUNKS) * 8;
-    u16* yp = y_batch + (long long)(row0 + r0) * p.y_ld + col0 + c;
-    const long long step = (long long)PASS_ROWS * p.y_ld;
-    const int rows_left = p.q_len - row0 - r0;
+  if constexpr (USE_TMA) {
+    fence_proxy_async();  // the y just written, visible to the copy engine
+    __syncwarp();
+    if (lane == 0) {
 #pragma unroll
-    for (int it = 0; it < ROWS_PER_WARP / PASS_ROWS; ++it, yp += step)
-      if (it * PASS_ROWS < rows_left)
-        st_global16_stream(yp, *reinterpret_cast<const u32x4*>(x_tile + x_elem_offset(r0 + it * PASS_ROWS, c / 8)));
-  } else {
-#pragma unroll
-    for (int it = 0; it < (TOTAL + 31) / 32; ++it) {
-      const int i = lane + it * 32;
-      const int r = i / CHUNKS, c = (i % CHUNKS) * 8;
-      if ((TOTAL % 32 == 0 || i < TOTAL) && row0 + r < p.q_len) {
-        st_global16_stream(y_batch + (long long)(row0 + r) * p.y_ld + col0 + c,
-                           *reinterpret_cast<const u32x4*>(x_tile + x_elem_offset(r, c / 8)));
-      }
+      for (int cb = 0; cb < HEAD_DIM / 64; ++cb)
+        tma_store_3d(&maps.y, smem_addr(x_tile + cb * BLOCK_M * 64), col0 + cb * 64, row0, b);
+      bulk_commit();
     }
+  } else {
+    __syncwarp();
+    store_staged_rows(p, y_batch, row0, col0, x_tile, lane);
   }
   if (WRITE_O && p.ones_col && col0 == 0)
     for (int r = lane; r < ROWS_PER_WARP && row0 + r < p.q_len; r += 32) store_ones_chunk(p, y_batch, row0 + r);
@@ -1010,9 +1029,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS_PER_SM)
     const int col0 = cur.head * HEAD_DIM;
 
     cp_async_wait<STAGES - 2>();
-    if constexpr (USE_TMA) {  // this step's bulk copies have landed
+    if constexpr (USE_TMA) {  // this step's bulk copies have landed; this warp's y stores have read their slot
       mbar_wait(bars + stage * 8, (phases >> stage) & 1u);
       phases ^= 1u << stage;
+      if (lane == 0) bulk_wait_read();
     }
     // this thread's copies, visible to wgmma after the barrier; with USE_TMA, its writes to the last step's x slot
     // ordered before the bulk copy that refills it
@@ -1057,12 +1077,15 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS_PER_SM)
       if constexpr (KEY_SPLIT > 1) {
         combine_and_store(p, x_tile, y_batch, row0, col0, o, m, l, combine, warp, lane, tid, bad);
       } else if (warp_rows) {
-        store_output_rows(p, y_batch, row0, col0, o, l, x_warp, lane, bad);
+        store_output_rows(p, maps, cur.b, y_batch, row0, col0, o, l, x_warp, lane, bad);
       }
     }
     cursor_advance(p, cur, key_tiles);
   }
   cp_async_wait<0>();
+  if constexpr (USE_TMA) {
+    if (lane == 0) bulk_wait_all();  // y written before the CTA's shared memory goes
+  }
 
   if constexpr (CHECK_NUMERICS) {
     if (__any_sync(FULL_WARP, bad) && lane == 0) atomicOr(p.flag, 1);

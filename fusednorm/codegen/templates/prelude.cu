@@ -171,6 +171,16 @@ FN_INLINE void tma_load_4d(u32 dst, const TensorMap* map, int c0, int c1, int c2
       "%5}], [%6];\n" ::"r"(dst), "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar) : "memory");
 }
 
+// The reverse: a box of shared memory (same swizzle) to global memory, read from shared memory asynchronously; box
+// rows outside the tensor are not written. The shared memory may be reused once bulk_wait_read says it was read.
+FN_INLINE void tma_store_3d(const TensorMap* map, u32 src, int c0, int c1, int c2) {
+  asm volatile("cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [%0, {%2, %3, %4}], [%1];\n" ::"l"(map),
+               "r"(src), "r"(c0), "r"(c1), "r"(c2) : "memory");
+}
+FN_INLINE void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+FN_INLINE void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
+FN_INLINE void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
+
 // ---- math ----
 
 // 2^x with the MUFU unit; ex2.approx(-inf) is +0, which the masked softmax relies on.
