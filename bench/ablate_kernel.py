@@ -39,7 +39,8 @@ CUTS = {  # name -> (what it removes, [(old, new), ...])
                    [("    __syncthreads();  // this step's stage is visible",
                      "    __syncwarp();  // this step's stage is visible")]),
     "no_y_store": ("the global stores of y (y is still computed and staged in shared memory)",
-                   [("        st_global16_stream(yp, ", "        if (p.q_len < 0) st_global16_stream(yp, ")]),
+                   [("        st_global16_stream(yp, ", "        if (p.q_len < 0) st_global16_stream(yp, "),
+                    ("        tma_store_3d(&maps.y, ", "        if (p.q_len < 0) tma_store_3d(&maps.y, ")]),
     "no_qk_mma": ("the QK^T mma (scores stay 0; Q and the K fragments are then never built)",
                   [("          mma_16816(s[mt][2 * np], a[mt], b[0], b[1]);\n"
                     "          mma_16816(s[mt][2 * np + 1], a[mt], b[2], b[3]);\n", ""),
@@ -49,16 +50,17 @@ CUTS = {  # name -> (what it removes, [(old, new), ...])
                     "          mma_16816(o[mt][2 * dp + 1], a[mt], b[2], b[3]);\n", ""),
                    ("      wgmma_output(o[0], a[ks], ", "      if (p.q_len < 0) wgmma_output(o[0], a[ks], ")]),
     "no_rowsum_mma": ("the P * 1 mma that sums each row of P",
-                      [("        mma_16816(lc[mt], a[mt], ones, ones);\n", "")]),
+                      [("        mma_16816(lc[mt], a[mt], ones, ones);\n", ""),
+                       ("      wgmma_row_sums(lc, a[ks], ", "      if (p.q_len < 0) wgmma_row_sums(lc, a[ks], ")]),
     "no_exp": ("the exponentials (p = s - m)",
-               [("const float e0 = fast_exp2(s[mt][nt][2 * half] - m_use), e1 = fast_exp2(",
-                 "const float e0 = (s[mt][nt][2 * half] - m_use), e1 = (")]),
+               [("const float e0 = fast_exp2(fmaf(", "const float e0 = (fmaf("),
+                ("const float e1 = fast_exp2(fmaf(", "const float e1 = (fmaf(")]),
     "no_max_shuffle": ("the two shuffles that spread each row's max over its quad",
                        [("      mx = fmaxf(mx, __shfl_xor_sync(FULL_WARP, mx, 1));\n"
-                         "      mx = fmaxf(mx, __shfl_xor_sync(FULL_WARP, mx, 2));\n", "")]),
+                         "      mx = fmaxf(mx, __shfl_xor_sync(FULL_WARP, mx, 2)) * c;\n", "      mx *= c;\n")]),
     "no_max": ("the row max (its chain and its shuffles; m = 0)",
                [("      mx = fmaxf(mx, __shfl_xor_sync(FULL_WARP, mx, 1));\n"
-                 "      mx = fmaxf(mx, __shfl_xor_sync(FULL_WARP, mx, 2));\n", ""),
+                 "      mx = fmaxf(mx, __shfl_xor_sync(FULL_WARP, mx, 2)) * c;\n", "      mx *= c;\n"),
                 ("        if (FILL != FILL_ANY || nt / 2 * 16 < valid)\n          mx = fmaxf(",
                  "        if (false)\n          mx = fmaxf(")]),
 }

@@ -48,13 +48,15 @@ def config_constants(spec: KernelSpec) -> dict:
 
 
 def wgmma_helpers(spec: KernelSpec) -> str:
-    """The two warpgroup mma shapes a USE_WGMMA kernel issues (see templates/prelude.cu), as inline PTX: the scores
-    S = Q K^T (N = BLOCK_N keys, K read K-major) and the output O += P V (N = head dim, V read N-major: transposed B).
+    """The three warpgroup mma shapes a USE_WGMMA kernel issues (see templates/prelude.cu), as inline PTX: the scores
+    S = Q K^T (N = BLOCK_N keys, K read K-major), the output O += P V (N = head dim, V read N-major: transposed B)
+    and the row sums l += P 1 (N = 8, a block of ones read K-major).
     Each has one operand per accumulator register, too many to write by hand. Other kernels get empty stand-ins:
     the calls sit in discarded ``if constexpr`` branches there, which must still name defined functions."""
     ab = spec.dtype.replace("fp", "f")  # bf16 / f16
     out = []
-    for name, n, trans_b in (("wgmma_scores", spec.tile.block_n, 0), ("wgmma_output", spec.head_dim, 1)):
+    for name, n, trans_b in (("wgmma_scores", spec.tile.block_n, 0), ("wgmma_output", spec.head_dim, 1),
+                             ("wgmma_row_sums", 8, 0)):
         if not spec.tile.wgmma:
             out.append(f"FN_INLINE void {name}(float (&d)[{max(n // 8, 1)}][4], const u32 (&a)[4], u64 b_desc, "
                        f"bool accumulate) {{}}  // not a wgmma kernel: never called")

@@ -208,7 +208,8 @@ class KernelSpec:
         has_vecs = self.q_from_qraw or self.has_gamma or self.has_beta
         affine_slots = t.stages * 2 * self.head_dim * (4 if wide else 2) if has_vecs else 0
         barriers = t.stages * 8 if t.tma else 0
-        return kv + q + x_slots + stats + combine + affine_slots + barriers
+        ones = 1024 if t.wgmma else 0  # the B of the row sums
+        return kv + ones + q + x_slots + stats + combine + affine_slots + barriers
 
 
 def supported_grid(archs=ARCHS):

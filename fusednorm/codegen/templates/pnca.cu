@@ -18,7 +18,7 @@
 // With USE_WGMMA (sm_90) QK^T and P V run on the warpgroup mma: each group of 4 warps issues one 64-row wgmma per
 // k-step, A (Q, then P) from registers, B (K, then V) read by the tensor cores straight from the stage, which then
 // holds K and V in the 128-byte-swizzle layout wgmma reads instead of padded rows. No K/V fragments pass through
-// registers, and the warp's row sums of P become per-thread partial sums, added over the quad in the epilogue.
+// registers; the row sums of P come from a third, narrow wgmma (P times a block of ones).
 // With USE_TMA (the sm_90 wgmma tiles) one thread fills a stage with bulk tensor copies (K and V, and on a head's
 // first stage its x slice when needed, through the tensor maps in TmaMaps) that complete on the stage's
 // mbarrier, instead of every thread issuing 16-byte copies: the x slice then lies in the same 128-byte-swizzle
@@ -78,10 +78,10 @@ static_assert(!USE_WGMMA || (M_TILES == 1 && KEY_SPLIT == 1 && WARPS % 4 == 0 &&
               "wgmma: warps in whole warpgroups, one m-tile each, rows of whole 128-byte swizzle blocks");
 static_assert(!USE_TMA || USE_WGMMA, "bulk tensor copies: the wgmma tiles, whose stages hold the swizzled layout");
 
-// Shared memory, in bytes: K stages, V stages, (Q_IN_SMEM only) one Q tile per warp, STAGES x-slice slots (a
-// head's x slice lives from its first stage to its epilogue, which also stages y there), per-row statistics, (key
-// split only) the warps' partial row sums and the partial softmax states to merge, and STAGES slots for a head's
-// norm parameters (gamma and beta, or u and b').
+// Shared memory, in bytes: K stages, V stages, (USE_WGMMA only) 1 KB of ones, (Q_IN_SMEM only) one Q tile per
+// warp, STAGES x-slice slots (a head's x slice lives from its first stage to its epilogue, which also stages y
+// there), per-row statistics, (key split only) the warps' partial row sums and the partial softmax states to merge,
+// STAGES slots for a head's norm parameters (gamma and beta, or u and b'), and (USE_TMA only) the stage barriers.
 constexpr bool AFFINE_WIDE = Q_FROM_QRAW || AFFINE_IS_F32;  // fp32 parameters, else two 16-bit ones per register
 constexpr bool HAS_SCALE_VEC = Q_FROM_QRAW ? !NORM_IS_RMS : HAS_GAMMA;  // gamma, or u
 constexpr bool HAS_SHIFT_VEC = Q_FROM_QRAW || HAS_BETA;                 // beta, or b'
@@ -95,7 +95,8 @@ constexpr int X_ROW_ELEMS = USE_TMA ? 64 : ROW_STRIDE;  // from one row of an x 
 constexpr int X_TILE_ELEMS = BLOCK_M * (USE_TMA ? HEAD_DIM : ROW_STRIDE);
 constexpr int OFF_K = 0;
 constexpr int OFF_V = OFF_K + STAGES * KV_TILE_ELEMS * 2;
-constexpr int OFF_Q = OFF_V + STAGES * KV_TILE_ELEMS * 2;
+constexpr int OFF_ONES = OFF_V + STAGES * KV_TILE_ELEMS * 2;  // USE_WGMMA: 1 KB of ones, the B of the row sums
+constexpr int OFF_Q = OFF_ONES + (USE_WGMMA ? 1024 : 0);
 constexpr int OFF_X = OFF_Q + (Q_IN_SMEM ? WARPS * Q_TILE_ELEMS * 2 : 0);
 constexpr int OFF_STATS = OFF_X + STAGES * X_TILE_ELEMS * 2;
 constexpr int OFF_STAT_PARTS = OFF_STATS + WARPS * ROWS_PER_WARP * 2 * 4;
@@ -536,10 +537,10 @@ FN_INLINE void attend_tile(const Params& p, const QSource& src,
       }
     }
     wgmma_fence();
-    const u32 k_base = smem_addr(k_tile);
+    const u64 k_desc = sw128_desc(smem_addr(k_tile), 16, 1024);
 #pragma unroll
     for (int kk = 0; kk < QK_KSTEPS; ++kk)  // k-step kk: 32 bytes into each row of column block kk / 4
-      wgmma_scores(s[0], a[kk], sw128_desc(k_base + (kk / 4) * KV_ROWS * 128 + (kk % 4) * 32, 16, 1024), kk > 0);
+      wgmma_scores(s[0], a[kk], desc_advance(k_desc, (kk / 4) * KV_ROWS * 128 + (kk % 4) * 32), kk > 0);
     wgmma_commit();
     wgmma_wait<0>();
     pin_all(s[0]);
@@ -629,9 +630,9 @@ FN_INLINE void attend_tile(const Params& p, const QSource& src,
 
   // Online softmax. Rows whose every key so far is masked keep m = -inf; they exponentiate against 0 so that
   // p = 0 and l = 0 (never NaN), and the epilogue writes o = 0 for them. P goes out packed as the A fragments of
-  // P V: pk[mt][nt][half] holds rows g + 8 * half, keys nt * 8 + t2 + {0, 1}. The row sums l come from P V as
-  // well, as P times a column of ones: one mma per 16 keys instead of an add per score and a quad reduction, and
-  // the sum of the same rounded P that the numerator uses.
+  // P V: pk[mt][nt][half] holds rows g + 8 * half, keys nt * 8 + t2 + {0, 1}. The row sums l come with P V, as
+  // P times a column of ones (with USE_WGMMA, 8 columns read from a block of ones): one mma per 16 keys instead of
+  // an add per score and a quad reduction, and the sum of the same rounded P that the numerator uses.
   u32 pk[M_TILES][S_NTILES][2];
 #pragma unroll
   for (int mt = 0; mt < M_TILES; ++mt)
@@ -648,7 +649,6 @@ FN_INLINE void attend_tile(const Params& p, const QSource& src,
       const float m_use = m_new == neg_inf() ? 0.f : m_new;
       const float alpha = first ? 0.f : fast_exp2(m[mt][half] - m_use);
       m[mt][half] = m_new;
-      float row_part = 0.f;  // USE_WGMMA: this thread's share of the row sum
 #pragma unroll
       for (int nt = 0; nt < S_NTILES; ++nt) {
         if (FILL == FILL_ANY && nt / 2 * 16 >= valid) {
@@ -658,10 +658,8 @@ FN_INLINE void attend_tile(const Params& p, const QSource& src,
         const float e0 = fast_exp2(fmaf(s[mt][nt][2 * half], c, -m_use));
         const float e1 = fast_exp2(fmaf(s[mt][nt][2 * half + 1], c, -m_use));
         pk[mt][nt][half] = pack2_elem(e0, e1);  // packed at once: the fp32 scores die here, not after P V
-        if constexpr (USE_WGMMA) row_part += e0 + e1;
       }
-      // mma.sync: P V adds this tile's sums; wgmma: the partial sums here, over the quad in the epilogue
-      l[mt][half] = (first ? 0.f : l[mt][half] * alpha) + row_part;
+      l[mt][half] = first ? 0.f : l[mt][half] * alpha;  // P V adds this tile's sums
       if (!USE_WGMMA || !first) {  // a head's first wgmma P V overwrites o instead
 #pragma unroll
         for (int nt = 0; nt < O_NTILES; ++nt) {  // o starts here on a head's first tile: not live during QK^T
@@ -672,6 +670,9 @@ FN_INLINE void attend_tile(const Params& p, const QSource& src,
     }
 
   if constexpr (USE_WGMMA) {  // O (+)= P V: V read N-major (transposed B), 16 keys = 2048 bytes per k-step
+    // P 1: rows g and g + 8 in lc[0][0] and [2]. Started at 0 and added to l after: an accumulator that enters the
+    // wgmma chain from ordinary registers made ptxas serialize every wgmma of the kernel.
+    float lc[1][4];
     u32 a[PV_KSTEPS][4];
 #pragma unroll
     for (int ks = 0; ks < PV_KSTEPS; ++ks) {
@@ -681,14 +682,21 @@ FN_INLINE void attend_tile(const Params& p, const QSource& src,
       a[ks][3] = pk[0][2 * ks + 1][1];
     }
     wgmma_fence();
-    const u32 v_base = smem_addr(v_tile);
+    const u64 v_desc = sw128_desc(smem_addr(v_tile), KV_ROWS * 128, 1024);
 #pragma unroll
     for (int ks = 0; ks < PV_KSTEPS; ++ks)  // every k-step (see load_kv_tile): past the keys, p = 0 and v = 0
-      wgmma_output(o[0], a[ks], sw128_desc(v_base + ks * 16 * 128, KV_ROWS * 128, 1024), !first || ks > 0);
+      wgmma_output(o[0], a[ks], desc_advance(v_desc, ks * 16 * 128), !first || ks > 0);
+    const u64 ones_desc = sw128_desc(smem_addr(smem + OFF_ONES), 16, 1024);
+#pragma unroll
+    for (int ks = 0; ks < PV_KSTEPS; ++ks)  // B read K-major like K in QK^T; every byte it reads is a one
+      wgmma_row_sums(lc, a[ks], desc_advance(ones_desc, (ks % 4) * 32), ks > 0);
     wgmma_commit();
     wgmma_wait<0>();
     pin_all(o[0]);
+    pin_all(lc);
     pin_all(a);
+    l[0][0] += lc[0][0];
+    l[0][1] += lc[0][2];
     return;
   }
 
@@ -783,11 +791,7 @@ FN_INLINE void store_output_rows(const Params& p, const TmaMaps& maps, int b, u1
   for (int mt = 0; mt < M_TILES; ++mt)
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      float lsum = l[mt][half];
-      if constexpr (USE_WGMMA) {  // per-thread partial sums: add the quad's
-        lsum += __shfl_xor_sync(FULL_WARP, lsum, 1);
-        lsum += __shfl_xor_sync(FULL_WARP, lsum, 2);
-      }
+      const float lsum = l[mt][half];
       const float inv = lsum > 0.f ? 1.f / lsum : 0.f;  // fully masked rows: o = 0
       const int r = mt * 16 + g + half * 8;
       if (row0 + r < p.q_len) {
@@ -961,6 +965,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS_PER_SM)
   const u32 bars = smem_addr(smem + OFF_BARS);
   u32 phases = 0;  // USE_TMA: bit s is the parity of the next phase of stage s's barrier to wait for
 
+  if constexpr (USE_WGMMA) {  // the row sums' B; the first step's barrier publishes it
+    for (int i = tid; i < 256; i += THREADS) reinterpret_cast<u32*>(smem + OFF_ONES)[i] = pack2_elem(1.f, 1.f);
+    fence_proxy_async();
+  }
   if constexpr (USE_TMA) {
     if (tid == 0) {
 #pragma unroll

@@ -109,7 +109,7 @@ FN_INLINE void mma_16816(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
 // rows 16w..16w+15 in the mma.sync A-fragment order), B read by the tensor cores from shared memory through a
 // descriptor, the fp32 accumulators in the mma.sync C-fragment order per 8 columns. It runs asynchronously: the
 // registers it reads or writes must be left alone until wgmma_wait says it is done. The two shapes a kernel issues
-// (wgmma_scores, wgmma_output) are written out by fusednorm/codegen/render.py.
+// (wgmma_scores, wgmma_output, wgmma_row_sums) are written out by fusednorm/codegen/render.py.
 
 // Descriptor of a 128-byte-swizzled tile: rows of 128 bytes, 16-byte chunk c of row r stored at chunk c ^ (r % 8),
 // the pattern repeating every 1024 bytes from a 1024-byte-aligned base (base offset 0). stride_bytes: from one group
@@ -118,6 +118,9 @@ FN_INLINE u64 sw128_desc(u32 addr, u32 leading_bytes, u32 stride_bytes) {
   return (u64)((addr & 0x3FFFFu) >> 4) | (u64)((leading_bytes & 0x3FFFFu) >> 4) << 16 |
          (u64)((stride_bytes & 0x3FFFFu) >> 4) << 32 | 1ull << 62;
 }
+// The same descriptor for a tile `bytes` further on: only the start-address field moves, and it cannot carry out
+// (it holds bits 4-17 of a shared address, and shared memory ends below 256 KB).
+FN_INLINE u64 desc_advance(u64 desc, u32 bytes) { return desc + (bytes >> 4); }
 FN_INLINE void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 FN_INLINE void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 template <int N>
