@@ -337,11 +337,11 @@ FN_INLINE float2 affine_f32(const u32& v) { return make_float2(lo_to_f32(v), hi_
 // the head's norm parameters lie.
 struct QSource {
   float rs[M_TILES][2], shift[M_TILES][2];  // h = (x * rs + shift) * gamma + beta
-  bool live[M_TILES][2];                                     // row < Lq
-  const u16* x_tile;                                         // the warp's rows of the head's x slice
-  const float* q_rows;                                       // Q_FROM_QRAW: the warp's first row of qraw
-  int affine_slot;                                           // the head's slot of norm parameters
-  int col0;                                                  // the head's first column
+  bool live[M_TILES][2];                     // row < Lq
+  const u16* x_tile;                         // the warp's rows of the head's x slice
+  const float* q_rows;                       // Q_FROM_QRAW: the warp's first row of qraw
+  int affine_slot;                           // the head's slot of norm parameters
+  int col0;                                  // the head's first column
 };
 
 FN_INLINE QSource q_source(const Params& p, int row0, int col0, const float* mean_s, const float* rstd_s,
