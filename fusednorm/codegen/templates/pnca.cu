@@ -319,7 +319,7 @@ FN_INLINE void row_statistics(const Params& p, const u16* x_batch, int row0, flo
 
 // The A fragments of QK^T come straight from the x slice (ldmatrix), and the norm is applied in registers:
 // register e of (m-tile mt, k-step kk) holds rows mt*16 + g + 8*(e&1), columns kk*16 + t2 + 8*(e>>1) + {0, 1}.
-// Rows past Lq and the pad columns of d = 40 come out as 0.
+// The pad columns of d = 40 come out as 0.
 // With Q_FROM_QRAW the same registers are q = rstd * (qraw - mean * u) + b' = qraw * rstd + (shift * u + b'), read
 // from qraw (float32) instead of x; ga/be then hold u and b'.
 
@@ -400,7 +400,9 @@ FN_INLINE void q_kstep(const Params& p, const QSource& src, int kk, u32 (&a)[M_T
         lo = fmaf(fmaf(lo_to_f32(xa[e]), src.rs[mt][i], src.shift[mt][i]), ga[h].x, be[h].x);
         hi = fmaf(fmaf(hi_to_f32(xa[e]), src.rs[mt][i], src.shift[mt][i]), ga[h].y, be[h].y);
       }
-      a[mt][e] = src.live[mt][i] && !pad ? pack2_elem(lo, hi) : 0u;
+      // rows past Lq: zeros when read from qraw (not read there); from x, whatever their statistics give, unzeroed,
+      // since every row's attention is its own and such rows are never stored
+      a[mt][e] = (!Q_FROM_QRAW || src.live[mt][i]) && !pad ? pack2_elem(lo, hi) : 0u;
     }
   }
 }
@@ -779,33 +781,54 @@ FN_INLINE void store_staged_rows(const Params& p, u16* y_batch, int row0, int co
   }
 }
 
+// Byte address of the pair (row r, columns nt * 8 + t2 + {0, 1}) in an x slot that starts at tile. The bulk-copy
+// layout's swizzle becomes one XOR per access: the slot starts on a 1024-byte boundary, so bits 4-6 of every
+// row's start are free for the 16-byte chunk index, which the swizzle XORs with r % 8.
+FN_INLINE u32 x_pair_addr(u32 tile, int r, int nt, int t2) {
+  if constexpr (USE_TMA)
+    return (tile + (nt >> 3) * (BLOCK_M * 128) + r * 128 + ((r & 7) << 4) + t2 * 2) ^ ((nt & 7) << 4);
+  return tile + (r * ROW_STRIDE + nt * 8 + t2) * 2;
+}
+
 // One warp, its own rows. x comes from the head's x slice in shared memory, and y overwrites it there (each element
 // is read and written by the same thread) so that the global stores are 16 bytes wide, or with USE_TMA one bulk
 // tensor store per 64 columns, issued by lane 0 (rows past Lq are clipped by the map; the main loop waits for the
-// store to have read the slot before the slot is refilled).
+// store to have read the slot before the slot is refilled). A thread's x pairs are loaded (up to 8 n-tiles at a
+// time) before its first y pair is stored, so the loads overlap.
 FN_INLINE void store_output_rows(const Params& p, const TmaMaps& maps, int b, u16* y_batch, int row0, int col0,
                                  const float (&o)[M_TILES][O_NTILES][4], const float (&l)[M_TILES][2], u16* x_tile,
                                  int lane, bool& bad) {
   const int g = lane >> 2, t2 = (lane & 3) * 2;
+  const u32 tile = smem_addr(x_tile);
+  constexpr int GROUP = O_NTILES < 8 ? O_NTILES : 8;  // n-tiles whose x is loaded at once (d = 256: 4 groups)
 #pragma unroll
-  for (int mt = 0; mt < M_TILES; ++mt)
+  for (int mt = 0; mt < M_TILES; ++mt) {
+    float inv[2];
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const float lsum = l[mt][half];
-      const float inv = lsum > 0.f ? 1.f / lsum : 0.f;  // fully masked rows: o = 0
-      const int r = mt * 16 + g + half * 8;
-      if (row0 + r < p.q_len) {
+    for (int half = 0; half < 2; ++half) inv[half] = l[mt][half] > 0.f ? fast_rcp(l[mt][half]) : 0.f;  // masked: 0
 #pragma unroll
-        for (int nt = 0; nt < O_NTILES; ++nt) {
-          u32* xy = reinterpret_cast<u32*>(x_tile + x_elem_offset(r, nt) + t2);
-          const u32 xp = WRITE_O ? 0u : *xy;  // +0.0 pair: o alone
-          const u32 yp = pack2_elem(lo_to_f32(xp) + o[mt][nt][2 * half] * inv,
-                                    hi_to_f32(xp) + o[mt][nt][2 * half + 1] * inv);
+    for (int n0 = 0; n0 < O_NTILES; n0 += GROUP) {
+      u32 xv[2][GROUP];
+#pragma unroll
+      for (int half = 0; half < 2; ++half)
+#pragma unroll
+        for (int j = 0; j < GROUP && n0 + j < O_NTILES; ++j)  // +0.0 pairs with WRITE_O: o alone
+          xv[half][j] = WRITE_O ? 0u : ld_shared4(x_pair_addr(tile, mt * 16 + g + half * 8, n0 + j, t2));
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int r = mt * 16 + g + half * 8;
+        if (row0 + r >= p.q_len) continue;  // (the branch also keeps d = 256's o from being consumed all at once)
+#pragma unroll
+        for (int j = 0; j < GROUP && n0 + j < O_NTILES; ++j) {
+          const int nt = n0 + j;
+          const u32 yp = pack2_elem(fmaf(o[mt][nt][2 * half], inv[half], lo_to_f32(xv[half][j])),
+                                    fmaf(o[mt][nt][2 * half + 1], inv[half], hi_to_f32(xv[half][j])));
           if constexpr (CHECK_NUMERICS) bad |= pair_not_finite(yp);
-          *xy = yp;
+          st_shared4(x_pair_addr(tile, r, nt, t2), yp);
         }
       }
     }
+  }
   if constexpr (USE_TMA) {
     fence_proxy_async();  // the y just written, visible to the copy engine
     __syncwarp();

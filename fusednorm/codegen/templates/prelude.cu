@@ -64,6 +64,16 @@ FN_INLINE void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(
 
 FN_INLINE u32x4 ld_global16(const void* p) { return *reinterpret_cast<const u32x4*>(p); }
 
+// 4-byte shared loads and stores at computed addresses. volatile keeps them in the order written: a caller that
+// issues its loads before its stores gets them overlapped (plain C++ on one array serializes each load after the
+// previous store, which the compiler cannot prove is to another address).
+FN_INLINE u32 ld_shared4(u32 addr) {
+  u32 v;
+  asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(v) : "r"(addr));
+  return v;
+}
+FN_INLINE void st_shared4(u32 addr, u32 v) { asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(v) : "memory"); }
+
 // The output is written once and not read again by this kernel: evict-first keeps x and K/V in L2.
 FN_INLINE void st_global16_stream(void* p, u32x4 v) {
   asm volatile("st.global.cs.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w));
@@ -190,6 +200,13 @@ FN_INLINE void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;\n" ::
 FN_INLINE float fast_exp2(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// 1/x with the MUFU unit alone (about 1 ulp; x here is a row sum of exponentials, >= 1 when not 0).
+FN_INLINE float fast_rcp(float x) {
+  float y;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
   return y;
 }
 
