@@ -32,7 +32,10 @@ CANDIDATES = {  # role -> candidate tiles, each with the __launch_bounds__ minim
              (T(4, 1, 128, 1, 3, **WG), 1),
              (T(4, 1, 96, 1, 2, **WG), 3), (T(4, 1, 112, 1, 2, **WG), 3),  # 3 CTAs per SM: 67 / 75 KB, <= 168 regs
              (T(4, 1, 128, 1, 2, **WGT), 2), (T(4, 1, 128, 1, 3, **WGT), 1), (T(4, 1, 112, 1, 2, **WGT), 3),
-             (T(4, 1, 112, 1, 3, **WGT), 2), (T(4, 1, 64, 1, 3, **WGT), 3)],
+             (T(4, 1, 112, 1, 3, **WGT), 2), (T(4, 1, 64, 1, 3, **WGT), 3),
+             # 128-row items (two warpgroups share each K/V stage: half the K/V traffic of 64-row items)
+             (T(8, 1, 64, 1, 2, **WGT), 2), (T(8, 1, 128, 1, 2, **WGT), 1), (T(8, 1, 128, 1, 3, **WGT), 1),
+             (T(8, 1, 112, 1, 2, **WGT), 1), (T(8, 1, 64, 1, 3, **WGT), 1), (T(8, 1, 64, 1, 4, **WGT), 1)],
     "base": [(T(4, 1, 64, 1, 2), 3), (T(4, 1, 128, 1, 2), 1), (T(4, 1, 64, 1, 3), 3),
              (T(4, 1, 64, 1, 2, **WG), 3), (T(8, 1, 64, 1, 2, **WG), 1), (T(4, 1, 64, 1, 2, **WGT), 3)],
     "few_keys": [(T(8, 1, 80, 1, 2, True), 2), (T(16, 1, 80, 1, 2, True), 1), (T(4, 1, 80, 1, 2, True), 3),
@@ -85,7 +88,7 @@ def main():
                 continue
             spec_mod.KernelSpec.min_ctas_per_sm = property(lambda s, _t=tile, _m=min_ctas: _m if s.tile == _t
                                                            else original_min_ctas.fget(s))
-            codegen.tile_for = lambda r, hd, arch=80, _t=tile: _t if r == role else original(r, hd, arch)
+            codegen.tile_for = lambda r, hd, arch=80, stage=False, _t=tile: _t if r == role else original(r, hd, arch, stage)
             codegen.forget_loaded_kernels()  # cached launches hold the previous kernel
             try:
                 diff = rel_diff(form.fused(**t), ref)

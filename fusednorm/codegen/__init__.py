@@ -90,7 +90,8 @@ def _family(dtype: str, d: int, norm: str, has_gamma: bool, has_beta: bool, affi
         fam = _families.get(fkey)
         if fam is None:
             specs = {role: KernelSpec(dtype, d, norm, has_gamma, has_beta, affine_f32, mask_kind, mask_f32,
-                                      tile_for(role, d, arch), arch, check, q_from_qraw, write_o)
+                                      tile_for(role, d, arch, stage=q_from_qraw), arch, check, q_from_qraw,
+                                      write_o)
                      for role in TILE_ROLES}
             with ThreadPoolExecutor(len(specs)) as pool:
                 compiled = dict(zip(specs, pool.map(get_kernel, specs.values())))

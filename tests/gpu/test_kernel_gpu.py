@@ -50,7 +50,7 @@ TILE_SETS = ["native"] + (["sm80_tiles"] if _arch() == 90 else [])
 
 
 def _tiles_of(tile_set):
-    return (lambda role, d, arch=80: tile_for(role, d, 80)) if tile_set == "sm80_tiles" else tile_for
+    return (lambda role, d, arch=80, stage=False: tile_for(role, d, 80, stage)) if tile_set == "sm80_tiles" else tile_for
 
 
 @pytest.fixture(params=TILE_SETS)
@@ -328,7 +328,7 @@ def test_bulk_copy_stages_match_the_16_byte_copies_bit_for_bit(role, monkeypatch
 
     monkeypatch.setattr(select, "force_role", role)
     gen = torch.Generator(device=DEV).manual_seed(int.from_bytes(os.urandom(4), "little"))
-    copies = lambda role, hd, arch=80: replace(tile_for(role, hd, arch), tma=False)  # noqa: E731
+    copies = lambda role, hd, arch=80, stage=False: replace(tile_for(role, hd, arch, stage), tma=False)  # noqa: E731
     lengths = ((3, 129, 77), (2, 1, 1), (2, 300, 80), (1, 127, 33))
     if role != "few_keys":  # several key tiles per head, the last one partial
         lengths += ((2, 70, 300), (1, 200, 1500))
