@@ -167,6 +167,22 @@ def test_many_keys_tile_is_the_long_tile_except_on_sm90_with_small_heads():
     assert 3 * (plain.smem_bytes() + 1024) <= 228 * 1024  # three CTAs' shared memory (+1 KB each) fit on an SM
 
 
+def test_sm90_long_tile_for_small_heads_takes_128_rows_but_the_plan_stage_keeps_64():
+    """The projection-free long role on sm_90 with d = 64 runs two warpgroups over 128 rows (each K/V stage shared),
+    2 CTAs per SM at 128 registers; the plan's stage mode, whose folded Q needs registers, keeps the 64-row tile."""
+    free, stage_tile = tile_for("long", 64, 90), tile_for("long", 64, 90, stage=True)
+    assert (free.token, stage_tile.token) == ("t128x64w8wgtma", "t64x128wgtma")
+    assert all(tile_for(r, d, a, stage=True) == tile_for(r, d, a) for r in TILE_ROLES for d in HEAD_DIMS
+               for a in (80, 90) if (r, d, a) != ("long", 64, 90))
+    plain = KernelSpec("bf16", 64, "layer", True, True, True, "add", True, free, 90, True)
+    assert plain.min_ctas_per_sm == 2 and 2 * (plain.smem_bytes() + 1024) <= 228 * 1024
+    stage = KernelSpec("bf16", 64, "layer", False, False, False, "add", True, stage_tile, 90, True, q_from_qraw=True,
+                       write_o=True)
+    assert stage.min_ctas_per_sm == 2
+    grid = {s.key: s for s in supported_grid()}
+    assert plain.key in grid and stage.key in grid  # both compiled (and checked for spills) in CI
+
+
 def test_sm90_wgmma_stages_come_by_bulk_tensor_copies():
     """Every sm_90 warpgroup-mma tile fills its stages with TMA (one thread, bulk copies on an mbarrier): the source
     says so, its x slots are unpadded; the plan's stage mode too (its x slots stage o for the stores)."""
