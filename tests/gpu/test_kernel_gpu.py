@@ -50,7 +50,9 @@ TILE_SETS = ["native"] + (["sm80_tiles"] if _arch() == 90 else [])
 
 
 def _tiles_of(tile_set):
-    return (lambda role, d, arch=80, stage=False: tile_for(role, d, 80, stage)) if tile_set == "sm80_tiles" else tile_for
+    if tile_set == "sm80_tiles":
+        return lambda role, d, arch=80, stage=False: tile_for(role, d, 80, stage)
+    return tile_for
 
 
 @pytest.fixture(params=TILE_SETS)

@@ -400,7 +400,7 @@ FN_INLINE void q_kstep(const Params& p, const QSource& src, int kk, u32 (&a)[M_T
         lo = fmaf(fmaf(lo_to_f32(xa[e]), src.rs[mt][i], src.shift[mt][i]), ga[h].x, be[h].x);
         hi = fmaf(fmaf(hi_to_f32(xa[e]), src.rs[mt][i], src.shift[mt][i]), ga[h].y, be[h].y);
       }
-      // rows past Lq: zeros when read from qraw (not read there); from x, whatever their statistics give, unzeroed,
+      // rows past Lq: zeros with Q_FROM_QRAW (qraw is not read there); from x, left as their statistics make them,
       // since every row's attention is its own and such rows are never stored
       a[mt][e] = (!Q_FROM_QRAW || src.live[mt][i]) && !pad ? pack2_elem(lo, hi) : 0u;
     }
@@ -817,7 +817,7 @@ FN_INLINE void store_output_rows(const Params& p, const TmaMaps& maps, int b, u1
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         const int r = mt * 16 + g + half * 8;
-        if (row0 + r >= p.q_len) continue;  // (the branch also keeps d = 256's o from being consumed all at once)
+        if (row0 + r >= p.q_len) continue;  // also keeps ptxas from interleaving all of d = 256's n-tiles (spills)
 #pragma unroll
         for (int j = 0; j < GROUP && n0 + j < O_NTILES; ++j) {
           const int nt = n0 + j;
