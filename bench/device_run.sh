@@ -26,7 +26,7 @@ for step in $STEPS; do
         timeout 100 compute-sanitizer --tool $tool python3 tests/gpu/sanitize_kernels.py > "$OUT/$tool.log" 2>&1
         echo "$tool: exit $?, $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/$tool.log")"
       done ;;
-    host) timeout 120 python3 bench/host_profile_plan.py 2>&1 | tee "$OUT/host_profile.log" | head -30 ;;
+    host) timeout 120 python3 bench/host_profile_plan.py > "$OUT/host_profile.log" 2>&1; head -30 "$OUT/host_profile.log" ;;
     bench) timeout 150 python3 bench/bench_block.py --form noproj --out "$OUT" 2>&1 | tee "$OUT/bench_block.log" | tail -12 ;;
     benchproj) timeout 200 python3 bench/bench_block.py --form proj --out "$OUT" 2>&1 | tee "$OUT/bench_proj.log" | tail -12 ;;
     cpu) timeout 100 python3 -m pytest tests -q -m "not gpu" -n 8 -p no:cacheprovider 2>&1 | tee "$OUT/cpu_tests.log" | tail -4 ;;
@@ -39,7 +39,9 @@ for step in $STEPS; do
         ncu -i "$OUT/$shape.ncu-rep" --page details > "$OUT/ncu_$shape.txt" 2>&1
         ncu -i "$OUT/$shape.ncu-rep" --page source --csv --print-source sass > "$OUT/${shape}_sass.csv" 2>&1
         ncu -i "$OUT/$shape.ncu-rep" --page raw --csv 2>/dev/null | python3 bench/stall_reasons.py | tee "$OUT/${shape}_stalls.txt"
-        python3 bench/sass_profile.py "$OUT/${shape}_sass.csv" --per $per | tee "$OUT/${shape}_sass_summary.txt" | head -30
+        # (to a file first: a pipe into head closed early and broke the summary's later lines)
+        python3 bench/sass_profile.py "$OUT/${shape}_sass.csv" --per $per > "$OUT/${shape}_sass_summary.txt"
+        head -30 "$OUT/${shape}_sass_summary.txt"
       done ;;
     models) timeout ${MODELS_TIMEOUT:-330} python3 bench/models.py --out "$OUT" --models ${MODELS:-torch,whisper,t5,unet} 2>&1 | tee "$OUT/models.log" | tail -8 ;;
   esac
