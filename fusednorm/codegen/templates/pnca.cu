@@ -149,6 +149,15 @@ FN_INLINE int x_elem_offset(int r, int c) {
   return r * ROW_STRIDE + c * 8;
 }
 
+// The same layout as a byte address: the pair (row r, columns nt * 8 + t2 + {0, 1}) of an x slot that starts at
+// tile (a shared address). The swizzle becomes one XOR per access: the slot starts on a 1024-byte boundary, so
+// bits 4-6 of every row's start are free for the 16-byte chunk index, which the swizzle XORs with r % 8.
+FN_INLINE u32 x_pair_addr(u32 tile, int r, int nt, int t2) {
+  if constexpr (USE_TMA)
+    return (tile + (nt >> 3) * (BLOCK_M * 128) + r * 128 + ((r & 7) << 4) + t2 * 2) ^ ((nt & 7) << 4);
+  return tile + (r * ROW_STRIDE + nt * 8 + t2) * 2;
+}
+
 // ---- 1. row statistics (one warp, its own rows) ----
 
 // The exact pass: fp32 Welford per lane, merged over the warp (Chan et al.), so |mean| >> std does not cancel.
@@ -779,15 +788,6 @@ FN_INLINE void store_staged_rows(const Params& p, u16* y_batch, int row0, int co
       }
     }
   }
-}
-
-// Byte address of the pair (row r, columns nt * 8 + t2 + {0, 1}) in an x slot that starts at tile. The bulk-copy
-// layout's swizzle becomes one XOR per access: the slot starts on a 1024-byte boundary, so bits 4-6 of every
-// row's start are free for the 16-byte chunk index, which the swizzle XORs with r % 8.
-FN_INLINE u32 x_pair_addr(u32 tile, int r, int nt, int t2) {
-  if constexpr (USE_TMA)
-    return (tile + (nt >> 3) * (BLOCK_M * 128) + r * 128 + ((r & 7) << 4) + t2 * 2) ^ ((nt & 7) << 4);
-  return tile + (r * ROW_STRIDE + nt * 8 + t2) * 2;
 }
 
 // One warp, its own rows. x comes from the head's x slice in shared memory, and y overwrites it there (each element

@@ -72,7 +72,9 @@ FN_INLINE u32 ld_shared4(u32 addr) {
   asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(v) : "r"(addr));
   return v;
 }
-FN_INLINE void st_shared4(u32 addr, u32 v) { asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(v) : "memory"); }
+FN_INLINE void st_shared4(u32 addr, u32 v) {
+  asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(v) : "memory");
+}
 
 // The output is written once and not read again by this kernel: evict-first keeps x and K/V in L2.
 FN_INLINE void st_global16_stream(void* p, u32x4 v) {
@@ -118,8 +120,8 @@ FN_INLINE void mma_16816(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
 // A warpgroup (4 consecutive warps) issues one wgmma for a 64-row tile: A from registers (warp w of the group holds
 // rows 16w..16w+15 in the mma.sync A-fragment order), B read by the tensor cores from shared memory through a
 // descriptor, the fp32 accumulators in the mma.sync C-fragment order per 8 columns. It runs asynchronously: the
-// registers it reads or writes must be left alone until wgmma_wait says it is done. The two shapes a kernel issues
-// (wgmma_scores, wgmma_output, wgmma_row_sums) are written out by fusednorm/codegen/render.py.
+// registers it reads or writes must be left alone until wgmma_wait says it is done. The three shapes a kernel
+// issues (wgmma_scores, wgmma_output, wgmma_row_sums) are written out by fusednorm/codegen/render.py.
 
 // Descriptor of a 128-byte-swizzled tile: rows of 128 bytes, 16-byte chunk c of row r stored at chunk c ^ (r % 8),
 // the pattern repeating every 1024 bytes from a 1024-byte-aligned base (base offset 0). stride_bytes: from one group
