@@ -32,6 +32,7 @@ def config_constants(spec: KernelSpec) -> dict:
         "ONE_TILE": t.one_tile,
         "USE_WGMMA": t.wgmma,
         "USE_TMA": t.tma,
+        "ROWSUM_IN_PV": spec.rowsum_in_pv,
         "Q_IN_SMEM": spec.q_in_smem,
         "NORM_IS_RMS": spec.norm == "rms",
         "HAS_GAMMA": spec.has_gamma,
@@ -49,13 +50,14 @@ def config_constants(spec: KernelSpec) -> dict:
 
 def wgmma_helpers(spec: KernelSpec) -> str:
     """The three warpgroup mma shapes a USE_WGMMA kernel issues (see templates/prelude.cu), as inline PTX: the scores
-    S = Q K^T (N = BLOCK_N keys, K read K-major), the output O += P V (N = head dim, V read N-major: transposed B)
-    and the row sums l += P 1 (N = 8, a block of ones read K-major).
+    S = Q K^T (N = BLOCK_N keys, K read K-major), the output O += P V (N = head dim, V read N-major: transposed B;
+    with ``rowsum_in_pv`` 8 columns more, read from a block of ones: the row sums) and otherwise the row sums
+    l += P 1 (N = 8, a block of ones read K-major).
     Each has one operand per accumulator register, too many to write by hand. Other kernels get empty stand-ins:
     the calls sit in discarded ``if constexpr`` branches there, which must still name defined functions."""
     ab = spec.dtype.replace("fp", "f")  # bf16 / f16
     out = []
-    for name, n, trans_b in (("wgmma_scores", spec.tile.block_n, 0), ("wgmma_output", spec.head_dim, 1),
+    for name, n, trans_b in (("wgmma_scores", spec.tile.block_n, 0), ("wgmma_output", spec.head_dim + (8 if spec.rowsum_in_pv else 0), 1),
                              ("wgmma_row_sums", 8, 0)):
         if not spec.tile.wgmma:
             out.append(f"FN_INLINE void {name}(float (&d)[{max(n // 8, 1)}][4], const u32 (&a)[4], u64 b_desc, "

@@ -190,6 +190,16 @@ class KernelSpec:
         return 1
 
     @property
+    def rowsum_in_pv(self) -> bool:
+        """The wgmma P V also sums each row of P (8 more columns of O read from a block of ones the size of a
+        64-column V tile) instead of a separate row-sum wgmma: d = 64 only (V is one 64-column block, so the ones
+        sit one block-step on), and only where that block leaves the CTAs per SM the tile is built for."""
+        t = self.tile
+        if not (t.wgmma and self.head_dim == 64):
+            return False
+        return self.min_ctas_per_sm * (self._smem_bytes(t.kv_rows * 128) + 1024) <= 228 * 1024
+
+    @property
     def key(self) -> str:
         affine = ("g" if self.has_gamma else "") + ("b" if self.has_beta else "") or "noaff"
         if self.affine_f32:
@@ -206,6 +216,11 @@ class KernelSpec:
     def smem_bytes(self) -> int:
         """Dynamic shared memory per CTA; mirrors the carve-up at the top of templates/pnca.cu."""
         t = self.tile
+        ones = 0 if not t.wgmma else t.kv_rows * 128 if self.rowsum_in_pv else 1024  # the B of the row sums
+        return self._smem_bytes(ones)
+
+    def _smem_bytes(self, ones: int) -> int:
+        t = self.tile
         pad = (self.head_dim + 15) // 16 * 16
         row_stride = pad + 8
         kv = 2 * t.stages * t.kv_rows * (self.head_dim if t.wgmma else row_stride) * 2  # wgmma: swizzled, unpadded
@@ -217,7 +232,6 @@ class KernelSpec:
         has_vecs = self.q_from_qraw or self.has_gamma or self.has_beta
         affine_slots = t.stages * 2 * self.head_dim * (4 if wide else 2) if has_vecs else 0
         barriers = t.stages * 8 if t.tma else 0
-        ones = 1024 if t.wgmma else 0  # the B of the row sums
         return kv + ones + q + x_slots + stats + combine + affine_slots + barriers
 
 

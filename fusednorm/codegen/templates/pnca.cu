@@ -70,6 +70,9 @@ constexpr int KV_ROWS = BLOCK_N * KEY_SPLIT;             // keys per pipeline st
 constexpr int QK_KSTEPS = HEAD_DIM_PAD / 16;
 constexpr int S_NTILES = BLOCK_N / 8;
 constexpr int O_NTILES = HEAD_DIM / 8;
+// ROWSUM_IN_PV: the P V wgmma also sums each row of P, as 8 more columns of O read from a block of ones: o holds
+// one more n-tile (the row sums l, rescaled with o), and no separate row-sum wgmma is issued.
+constexpr int O_ACC_NTILES = O_NTILES + (ROWSUM_IN_PV ? 1 : 0);
 constexpr int PV_KSTEPS = BLOCK_N / 16;
 static_assert(KEY_SPLIT == 1 || (KEY_SPLIT == WARPS && M_TILES == 1), "key split shares one m-tile");
 static_assert(!ONE_TILE || KEY_SPLIT == 1, "one tile per head: every warp sees all keys");
@@ -95,8 +98,11 @@ constexpr int X_ROW_ELEMS = USE_TMA ? 64 : ROW_STRIDE;  // from one row of an x 
 constexpr int X_TILE_ELEMS = BLOCK_M * (USE_TMA ? HEAD_DIM : ROW_STRIDE);
 constexpr int OFF_K = 0;
 constexpr int OFF_V = OFF_K + STAGES * KV_TILE_ELEMS * 2;
-constexpr int OFF_ONES = OFF_V + STAGES * KV_TILE_ELEMS * 2;  // USE_WGMMA: 1 KB of ones, the B of the row sums
-constexpr int OFF_Q = OFF_ONES + (USE_WGMMA ? 1024 : 0);
+// USE_WGMMA: ones, the B of the row sums: 1 KB (16 keys x 8 columns, K-major), or with ROWSUM_IN_PV a block the
+// size of a 64-column V tile (KV_ROWS keys of 128 bytes), which P V reads as its columns 64..71
+constexpr int ONES_BYTES = !USE_WGMMA ? 0 : ROWSUM_IN_PV ? KV_ROWS * 128 : 1024;
+constexpr int OFF_ONES = OFF_V + STAGES * KV_TILE_ELEMS * 2;
+constexpr int OFF_Q = OFF_ONES + ONES_BYTES;
 constexpr int OFF_X = OFF_Q + (Q_IN_SMEM ? WARPS * Q_TILE_ELEMS * 2 : 0);
 constexpr int OFF_STATS = OFF_X + STAGES * X_TILE_ELEMS * 2;
 constexpr int OFF_STAT_PARTS = OFF_STATS + WARPS * ROWS_PER_WARP * 2 * 4;
@@ -526,7 +532,7 @@ template <int FILL>
 FN_INLINE void attend_tile(const Params& p, const QSource& src,
                            const u32 (&qf)[Q_IN_SMEM ? 1 : M_TILES][Q_IN_SMEM ? 1 : QK_KSTEPS][4], const u16* q_tile,
                            const u16* k_tile, const u16* v_tile, int key0, int valid, int qrow0, long long mask_bh,
-                           bool first, float (&o)[M_TILES][O_NTILES][4], float (&m)[M_TILES][2],
+                           bool first, float (&o)[M_TILES][O_ACC_NTILES][4], float (&m)[M_TILES][2],
                            float (&l)[M_TILES][2], int lane) {
   const int g = lane >> 2, t2 = (lane & 3) * 2;
 
@@ -673,7 +679,7 @@ FN_INLINE void attend_tile(const Params& p, const QSource& src,
       l[mt][half] = first ? 0.f : l[mt][half] * alpha;  // P V adds this tile's sums
       if (!USE_WGMMA || !first) {  // a head's first wgmma P V overwrites o instead
 #pragma unroll
-        for (int nt = 0; nt < O_NTILES; ++nt) {  // o starts here on a head's first tile: not live during QK^T
+        for (int nt = 0; nt < O_ACC_NTILES; ++nt) {  // o starts here on a head's first tile: not live during QK^T
           o[mt][nt][2 * half] = first ? 0.f : o[mt][nt][2 * half] * alpha;
           o[mt][nt][2 * half + 1] = first ? 0.f : o[mt][nt][2 * half + 1] * alpha;
         }
@@ -693,10 +699,22 @@ FN_INLINE void attend_tile(const Params& p, const QSource& src,
       a[ks][3] = pk[0][2 * ks + 1][1];
     }
     wgmma_fence();
-    const u64 v_desc = sw128_desc(smem_addr(v_tile), KV_ROWS * 128, 1024);
+    // the leading byte offset is the step from one 64-column block of B to the next: V's second block (d = 128),
+    // or with ROWSUM_IN_PV the block of ones, which makes columns 64..71 of O the row sums of P
+    const u32 v_addr = smem_addr(v_tile);
+    const u64 v_desc = sw128_desc(v_addr, ROWSUM_IN_PV ? smem_addr(smem + OFF_ONES) - v_addr : KV_ROWS * 128, 1024);
 #pragma unroll
     for (int ks = 0; ks < PV_KSTEPS; ++ks)  // every k-step (see load_kv_tile): past the keys, p = 0 and v = 0
       wgmma_output(o[0], a[ks], desc_advance(v_desc, ks * 16 * 128), !first || ks > 0);
+    if constexpr (ROWSUM_IN_PV) {
+      wgmma_commit();
+      wgmma_wait<0>();
+      pin_all(o[0]);
+      pin_all(a);
+      l[0][0] = o[0][O_NTILES][0];  // rows g and g + 8; o's last n-tile is rescaled with the rest
+      l[0][1] = o[0][O_NTILES][2];
+      return;
+    }
     const u64 ones_desc = sw128_desc(smem_addr(smem + OFF_ONES), 16, 1024);
 #pragma unroll
     for (int ks = 0; ks < PV_KSTEPS; ++ks)  // B read K-major like K in QK^T; every byte it reads is a one
@@ -796,7 +814,7 @@ FN_INLINE void store_staged_rows(const Params& p, u16* y_batch, int row0, int co
 // store to have read the slot before the slot is refilled). A thread's x pairs are loaded (up to 8 n-tiles at a
 // time) before its first y pair is stored, so the loads overlap.
 FN_INLINE void store_output_rows(const Params& p, const TmaMaps& maps, int b, u16* y_batch, int row0, int col0,
-                                 const float (&o)[M_TILES][O_NTILES][4], const float (&l)[M_TILES][2], u16* x_tile,
+                                 const float (&o)[M_TILES][O_ACC_NTILES][4], const float (&l)[M_TILES][2], u16* x_tile,
                                  int lane, bool& bad) {
   const int g = lane >> 2, t2 = (lane & 3) * 2;
   const u32 tile = smem_addr(x_tile);
@@ -849,7 +867,7 @@ FN_INLINE void store_output_rows(const Params& p, const TmaMaps& maps, int b, u1
 
 // Key split: every warp holds a partial (m, l, o) for the same 16 rows; merge them in warp order (deterministic).
 FN_INLINE void combine_and_store(const Params& p, const u16* x_tile, u16* y_batch, int row0, int col0,
-                                 const float (&o)[M_TILES][O_NTILES][4], const float (&m)[M_TILES][2],
+                                 const float (&o)[M_TILES][O_ACC_NTILES][4], const float (&m)[M_TILES][2],
                                  const float (&l)[M_TILES][2], float* combine, int warp, int lane, int tid,
                                  bool& bad) {
   float* acc_all = combine;                          // [WARPS][16][HEAD_DIM]
@@ -989,7 +1007,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS_PER_SM)
   u32 phases = 0;  // USE_TMA: bit s is the parity of the next phase of stage s's barrier to wait for
 
   if constexpr (USE_WGMMA) {  // the row sums' B; the first step's barrier publishes it
-    for (int i = tid; i < 256; i += THREADS) reinterpret_cast<u32*>(smem + OFF_ONES)[i] = pack2_elem(1.f, 1.f);
+    for (int i = tid; i < ONES_BYTES / 4; i += THREADS) reinterpret_cast<u32*>(smem + OFF_ONES)[i] = pack2_elem(1.f, 1.f);
     fence_proxy_async();
   }
   if constexpr (USE_TMA) {
@@ -1027,7 +1045,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS_PER_SM)
   }
 
   u32 qf[Q_IN_SMEM ? 1 : M_TILES][Q_IN_SMEM ? 1 : QK_KSTEPS][4];
-  float o[M_TILES][O_NTILES][4];
+  float o[M_TILES][O_ACC_NTILES][4];
   float m[M_TILES][2], l[M_TILES][2];
 
 #pragma unroll 1
@@ -1047,7 +1065,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS_PER_SM)
 #pragma unroll
       for (int mt = 0; mt < M_TILES && !ONE_TILE; ++mt) {  // ONE_TILE: attend_tile starts them (Lk >= 1)
 #pragma unroll
-        for (int nt = 0; nt < O_NTILES; ++nt)
+        for (int nt = 0; nt < O_ACC_NTILES; ++nt)
 #pragma unroll
           for (int e = 0; e < 4; ++e) o[mt][nt][e] = 0.f;
         m[mt][0] = m[mt][1] = neg_inf();
