@@ -963,13 +963,23 @@ FN_INLINE void load_step_tma(const Params& p, const TmaMaps& maps, const StepCur
   const bool with_x = NEEDS_X_SLICE && c.tile == 0;
   const int kh = p.k_sh != 0 ? c.head : 0, kb = p.k_sb != 0 ? c.b : 0;
   const int vh = p.v_sh != 0 ? c.head : 0, vb = p.v_sb != 0 ? c.b : 0;
+  // K/V tiles that no other item reads (one row block, no broadcast dims) stream through L2 evict-first, so that
+  // they do not push out the x rows that the other head groups' items read again (T5: 67 MB of K/V, 8 MB of x).
+  // Elsewhere the copies carry no policy at all (a normal-priority one measured slower on SDXL).
+  const bool kv_read_once = p.row_blocks == 1 && p.k_sb != 0 && p.k_sh != 0 && p.v_sb != 0 && p.v_sh != 0;
   mbar_arrive_expect_tx(bar, (HEAD_DIM / 64) * (2 * KV_BOX + (with_x ? X_BOX : 0)));
   const u32 k_dst = smem_addr(k_stages + stage * KV_TILE_ELEMS), v_dst = smem_addr(v_stages + stage * KV_TILE_ELEMS);
   const u32 x_dst = smem_addr(x_slots + x_slot(c, stage) * X_TILE_ELEMS);
 #pragma unroll
   for (int cb = 0; cb < HEAD_DIM / 64; ++cb) {
-    tma_load_4d(k_dst + cb * KV_BOX, &maps.k, cb * 64, c.tile * KV_ROWS, kh, kb, bar);
-    tma_load_4d(v_dst + cb * KV_BOX, &maps.v, cb * 64, c.tile * KV_ROWS, vh, vb, bar);
+    if (kv_read_once) {
+      const u64 stream = l2_evict_first();
+      tma_load_4d_hint(k_dst + cb * KV_BOX, &maps.k, cb * 64, c.tile * KV_ROWS, kh, kb, bar, stream);
+      tma_load_4d_hint(v_dst + cb * KV_BOX, &maps.v, cb * 64, c.tile * KV_ROWS, vh, vb, bar, stream);
+    } else {
+      tma_load_4d(k_dst + cb * KV_BOX, &maps.k, cb * 64, c.tile * KV_ROWS, kh, kb, bar);
+      tma_load_4d(v_dst + cb * KV_BOX, &maps.v, cb * 64, c.tile * KV_ROWS, vh, vb, bar);
+    }
     if (with_x) tma_load_3d(x_dst + cb * X_BOX, &maps.x, c.head * HEAD_DIM + cb * 64, c.row_block * BLOCK_M, c.b, bar);
   }
 }

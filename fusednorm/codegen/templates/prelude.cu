@@ -185,6 +185,18 @@ FN_INLINE void tma_load_4d(u32 dst, const TensorMap* map, int c0, int c1, int c2
       "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, "
       "%5}], [%6];\n" ::"r"(dst), "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar) : "memory");
 }
+// The same with an L2 eviction priority for the copied lines (a createpolicy result).
+FN_INLINE void tma_load_4d_hint(u32 dst, const TensorMap* map, int c0, int c1, int c2, int c3, u32 bar, u64 policy) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1, "
+      "{%2, %3, %4, %5}], [%6], %7;\n" ::"r"(dst), "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar),
+      "l"(policy) : "memory");
+}
+FN_INLINE u64 l2_evict_first() {
+  u64 policy;
+  asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));
+  return policy;
+}
 
 // The reverse: a box of shared memory (same swizzle) to global memory, read from shared memory asynchronously; box
 // rows outside the tensor are not written. The shared memory may be reused once bulk_wait_read says it was read.
