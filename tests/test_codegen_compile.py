@@ -183,6 +183,26 @@ def test_sm90_long_tile_for_small_heads_takes_128_rows_but_the_plan_stage_keeps_
     assert plain.key in grid and stage.key in grid  # both compiled (and checked for spills) in CI
 
 
+def test_row_sums_ride_in_the_p_v_wgmma_where_the_ones_block_fits():
+    """d = 64 wgmma tiles fold the row sums into P V (m64n72k16: a V-sized block of ones one block-step past V)
+    wherever that block leaves the CTAs per SM the tile is built for; many_keys' 3 CTAs per SM do not fit it and
+    keep the separate row-sum wgmma. The rendered source and the shared-memory size follow the choice."""
+    from fusednorm.codegen import render
+
+    def spec(role, d=64):
+        return KernelSpec("bf16", d, "layer", True, True, False, "none", False, tile_for(role, d, 90), 90, False)
+
+    for role in ("few_keys", "long", "base"):
+        s = spec(role)
+        assert s.rowsum_in_pv, role
+        assert s.min_ctas_per_sm * (s.smem_bytes() + 1024) <= 228 * 1024
+        assert "constexpr bool ROWSUM_IN_PV = true;" in render.render(s)
+    many = spec("many_keys")
+    assert not many.rowsum_in_pv and many.min_ctas_per_sm == 3
+    assert "constexpr bool ROWSUM_IN_PV = false;" in render.render(many)
+    assert not spec("long", 128).rowsum_in_pv  # V is two 64-column blocks: the ones have no block-step of their own
+
+
 def test_sm90_wgmma_stages_come_by_bulk_tensor_copies():
     """Every sm_90 warpgroup-mma tile fills its stages with TMA (one thread, bulk copies on an mbarrier): the source
     says so, its x slots are unpadded; the plan's stage mode too (its x slots stage o for the stores)."""

@@ -18,7 +18,8 @@
 // With USE_WGMMA (sm_90) QK^T and P V run on the warpgroup mma: each group of 4 warps issues one 64-row wgmma per
 // k-step, A (Q, then P) from registers, B (K, then V) read by the tensor cores straight from the stage, which then
 // holds K and V in the 128-byte-swizzle layout wgmma reads instead of padded rows. No K/V fragments pass through
-// registers; the row sums of P come from a third, narrow wgmma (P times a block of ones).
+// registers; the row sums of P come from P times a block of ones: 8 more columns of the P V wgmma (ROWSUM_IN_PV,
+// d = 64), or a third, narrow wgmma.
 // With USE_TMA (the sm_90 wgmma tiles) one thread fills a stage with bulk tensor copies (K and V, and on a head's
 // first stage its x slice when needed, through the tensor maps in TmaMaps) that complete on the stage's
 // mbarrier, instead of every thread issuing 16-byte copies: the x slice then lies in the same 128-byte-swizzle
@@ -81,7 +82,7 @@ static_assert(!USE_WGMMA || (M_TILES == 1 && KEY_SPLIT == 1 && WARPS % 4 == 0 &&
               "wgmma: warps in whole warpgroups, one m-tile each, rows of whole 128-byte swizzle blocks");
 static_assert(!USE_TMA || USE_WGMMA, "bulk tensor copies: the wgmma tiles, whose stages hold the swizzled layout");
 
-// Shared memory, in bytes: K stages, V stages, (USE_WGMMA only) 1 KB of ones, (Q_IN_SMEM only) one Q tile per
+// Shared memory, in bytes: K stages, V stages, (USE_WGMMA only) the ones of the row sums, (Q_IN_SMEM only) one Q tile per
 // warp, STAGES x-slice slots (a head's x slice lives from its first stage to its epilogue, which also stages y
 // there), per-row statistics, (key split only) the warps' partial row sums and the partial softmax states to merge,
 // STAGES slots for a head's norm parameters (gamma and beta, or u and b'), and (USE_TMA only) the stage barriers.
