@@ -17,6 +17,8 @@ class Options:
     check_numerics: bool = False  # fused kernels flag NaN/Inf in their output and the op raises
     plan: str = "never"           # blocks with projections on CUDA: "never" (left to the compiler), "measure" (the
                                   # plan where it measured faster than the compiler), "always" (plans/choose.py)
+    kernel: str = "always"        # projection-free blocks on CUDA: "always" (the generated kernel), "measure" (the
+                                  # kernel where it measured faster than the compiler; plans/choose.py)
     report: Any = None            # a fusednorm.report.Report to fill (used by fusednorm.explain)
 
     @classmethod
@@ -27,10 +29,12 @@ class Options:
         if unknown:
             raise ValueError(f"fusednorm: unknown backend option(s) {unknown}; known: {sorted(known - {'report'})}")
         opts = cls(**options)
-        from .plans.choose import POLICIES
+        from .plans.choose import KERNEL_POLICIES, POLICIES
 
         if opts.plan not in POLICIES:
             raise ValueError(f"fusednorm: option plan={opts.plan!r}; expected one of {POLICIES}")
+        if opts.kernel not in KERNEL_POLICIES:
+            raise ValueError(f"fusednorm: option kernel={opts.kernel!r}; expected one of {KERNEL_POLICIES}")
         if opts.compiler not in COMPILERS:
             raise ValueError(f"fusednorm: option compiler={opts.compiler!r}; expected one of {COMPILERS}")
         if opts.dump_dir is None and os.environ.get("FUSEDNORM_DUMP"):

@@ -132,6 +132,14 @@ def test_what_runs_on_cuda(monkeypatch):
         "CUDA projection plan: the plan (option plan='always')", None)
     assert match_pass._what_runs({**args, "wq": object()}, "layer", "never") == (
         "left to the compiler", "left to the compiler (option plan='never', the default)")
+    from fusednorm.plans import choose
+
+    monkeypatch.setattr(choose, "decide", lambda a, norm, policy: choose.Choice(policy == "measure" and a["k"] == 1,
+                                                                                 f"measured {a['k']}"))
+    assert match_pass._what_runs({**args, "k": 1}, "layer", "never", "measure") == (
+        "generated CUDA kernel: measured 1", None)
+    assert match_pass._what_runs({**args, "k": 2}, "layer", "never", "measure") == (
+        "left to the compiler", "measured 2")
     assert match_pass._what_runs({**args, "x": types.SimpleNamespace(device=torch.device("cpu"))},
                                  "layer") == ("reference", None)
 
@@ -148,7 +156,7 @@ class Block(nn.Module):
 
 
 def test_a_block_without_a_fast_path_is_left_to_the_compiler(fusion, monkeypatch):
-    monkeypatch.setattr(match_pass, "_what_runs", lambda args, norm, plan: (
+    monkeypatch.setattr(match_pass, "_what_runs", lambda args, norm, plan, kernel: (
         "left to the compiler", "no fused CUDA kernel/plan for this block: no kernel for d=8"))
     model = Block().eval()
     x, c = torch.randn(2, 3, 16), torch.randn(2, 5, 16)

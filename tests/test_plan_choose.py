@@ -13,11 +13,13 @@ def fake(*shape, dtype=torch.bfloat16, device="cuda"):
     return types.SimpleNamespace(shape=shape, dtype=dtype, device=torch.device(device))
 
 
-def args(B=2, Lq=64, D=256, H=4, Lk=77, wo=True):
+def args(B=2, Lq=64, D=256, H=4, Lk=77, wo=True, wq=True):
     d = D // H
     a = {n: None for n in ("gamma", "beta", "wq", "bq", "wo", "bo", "mask")}
-    a.update(x=fake(B, Lq, D), k=fake(B, H, Lk, d), v=fake(B, H, Lk, d), gamma=fake(D), beta=fake(D),
-             wq=fake(D, D), bq=fake(D), eps=1e-5, scale=None)
+    a.update(x=fake(B, Lq, D), k=fake(B, H, Lk, d), v=fake(B, H, Lk, d), gamma=fake(D), beta=fake(D), eps=1e-5,
+             scale=None)
+    if wq:
+        a.update(wq=fake(D, D), bq=fake(D))
     if wo:
         a.update(wo=fake(D, D), bo=fake(D))
     return a
@@ -29,8 +31,9 @@ def measured(monkeypatch):
 
     def measure(tensors, norm, eps, scale):
         calls.append(tuple(tensors["x"].shape))
-        plan_us, compiler_us = (50.0, 80.0) if tensors["x"].shape[1] == 64 else (80.0, 79.0)
-        return choose._verdict(plan_us, 30.0, compiler_us)
+        fused_us, compiler_us = (50.0, 80.0) if tensors["x"].shape[1] == 64 else (80.0, 79.0)
+        what = "kernel" if tensors["wq"] is None and tensors["wo"] is None else "plan"
+        return choose._verdict(fused_us, 30.0, compiler_us, what=what)
 
     monkeypatch.setattr(choose, "_measure", measure)
     monkeypatch.setattr(choose, "_key", lambda tensors, norm, scale: (norm, scale, tuple(
@@ -41,20 +44,20 @@ def measured(monkeypatch):
 
 def test_the_plan_is_taken_only_where_it_measured_faster(measured):
     fast = choose.decide(args(Lq=64), "layer", "measure")
-    assert fast.use_plan and "measured plan 50.0 µs GPU, 30.0 µs host per call vs compiler 80.0 µs GPU" in fast.reason
+    assert fast.fused and "measured plan 50.0 µs GPU, 30.0 µs host per call vs compiler 80.0 µs GPU" in fast.reason
     slow = choose.decide(args(Lq=65), "layer", "measure")  # 80 vs 79: not faster
-    assert not slow.use_plan and slow.reason.startswith("left to the compiler: not faster")
+    assert not slow.fused and slow.reason.startswith("left to the compiler: not faster")
 
 
 def test_within_the_noise_margin_the_compiler_keeps_the_block():
-    assert not choose._verdict(78.0, 10.0, 80.0).use_plan  # 2.5 % faster is inside the 3 % margin
-    assert choose._verdict(70.0, 10.0, 80.0).use_plan
+    assert not choose._verdict(78.0, 10.0, 80.0).fused  # 2.5 % faster is inside the 3 % margin
+    assert choose._verdict(70.0, 10.0, 80.0).fused
 
 
 def test_a_plan_whose_host_time_exceeds_the_compilers_gpu_time_is_not_taken():
     """In a compiled model the plan's host cost per call is paid in full when the model is host-bound."""
     choice = choose._verdict(40.0, 180.0, 80.0)
-    assert not choice.use_plan and "180.0 µs host per call" in choice.reason
+    assert not choice.fused and "180.0 µs host per call" in choice.reason
 
 
 def test_each_shape_is_measured_once(measured):
@@ -69,14 +72,14 @@ def test_the_default_option_leaves_blocks_with_projections_to_the_compiler(measu
 
     policy = Options.from_dict({}).plan
     assert policy == "never"
-    assert not choose.decide(args(), "layer", policy).use_plan and measured == []
+    assert not choose.decide(args(), "layer", policy).fused and measured == []
     with pytest.raises(ValueError, match="plan='fast'"):
         Options.from_dict({"plan": "fast"})
 
 
 def test_options_always_and_never_skip_the_measurement(measured):
-    assert choose.decide(args(), "layer", "always").use_plan
-    assert not choose.decide(args(), "layer", "never").use_plan
+    assert choose.decide(args(), "layer", "always").fused
+    assert not choose.decide(args(), "layer", "never").fused
     assert measured == []
     with pytest.raises(ValueError, match="plan='sometimes'"):
         choose.decide(args(), "layer", "sometimes")
@@ -86,7 +89,7 @@ def test_dynamic_shapes_stay_with_the_compiler(measured):
     a = args()
     a["x"] = fake(2, object(), 256)  # a symbolic length
     choice = choose.decide(a, "layer", "measure")
-    assert not choice.use_plan and "dynamic shapes" in choice.reason and measured == []
+    assert not choice.fused and "dynamic shapes" in choice.reason and measured == []
 
 
 def test_a_failed_measurement_leaves_the_block_to_the_compiler(monkeypatch):
@@ -95,7 +98,7 @@ def test_a_failed_measurement_leaves_the_block_to_the_compiler(monkeypatch):
 
     monkeypatch.setattr(choose, "_time_both", broken)
     choice = choose._measure({}, "layer", 1e-5, None)
-    assert not choice.use_plan and "could not be measured (RuntimeError: out of memory)" in choice.reason
+    assert not choice.fused and "could not be measured (RuntimeError: out of memory)" in choice.reason
 
 
 def test_the_unfused_block_is_the_op_in_eager_torch():
@@ -111,3 +114,30 @@ def test_the_unfused_block_is_the_op_in_eager_torch():
         got = choose.unfused_block(**tt, norm=norm, eps=1e-5, scale=0.3)
         ref = reference_pre_norm_cross_attn(*tt.values(), norm, 1e-5, 0.3)
         assert torch.allclose(got, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_projection_free_blocks_run_the_kernel_unless_measuring_is_asked_for(measured):
+    """kernel='always' (the default) fuses without timing anything; kernel='measure' keeps the kernel only where it
+    measured faster than the compiler, and says so with the numbers."""
+    from fusednorm.options import Options
+
+    assert Options.from_dict({}).kernel == "always"
+    free = args(wq=False, wo=False)
+    default = choose.decide(free, "layer", "always")
+    assert default.fused and default.reason == "the kernel (option kernel='always', the default)" and measured == []
+    fast = choose.decide(free, "layer", "measure")
+    assert fast.fused and "measured kernel 50.0 µs GPU, 30.0 µs host per call vs compiler 80.0 µs GPU" in fast.reason
+    slow = choose.decide(args(Lq=65, wq=False, wo=False), "layer", "measure")
+    assert not slow.fused and slow.reason.startswith("left to the compiler: not faster (measured kernel 80.0")
+    with pytest.raises(ValueError, match="kernel='never'"):
+        choose.decide(free, "layer", "never")  # rewrite=False is how nothing is fused
+    with pytest.raises(ValueError, match="kernel='fast'"):
+        Options.from_dict({"kernel": "fast"})
+
+
+def test_the_kernel_is_judged_on_gpu_time_the_plan_also_on_host_time():
+    """The kernel's host cost per call is that of the few launches the compiler's wrapper makes for the same block;
+    the plan's (Python, cuBLAS) is several times more and decides in a host-bound model."""
+    assert choose._verdict(40.0, 180.0, 80.0, what="kernel").fused
+    assert not choose._verdict(40.0, 180.0, 80.0, what="plan").fused
+    assert not choose._verdict(79.0, 10.0, 80.0, what="kernel").fused  # inside the noise margin

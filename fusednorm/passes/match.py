@@ -60,7 +60,7 @@ def run(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:
         for pattern in patterns:
             if not pattern.targets <= near:  # an op the pattern needs is not within its reach of this add
                 continue
-            result = attempt(pattern, anchor, space, order, ctx.options.plan)
+            result = attempt(pattern, anchor, space, order, ctx.options.plan, ctx.options.kernel)
             if isinstance(result, Candidate):
                 candidates.append(result)
             elif isinstance(result, Failure):
@@ -105,16 +105,16 @@ def _is_residual_add(node: torch.fx.Node) -> bool:
 
 
 def attempt(pattern: Pattern, anchor: torch.fx.Node, space: HintSpace,
-            order: dict[torch.fx.Node, int], plan: str = "never") -> Candidate | Failure | None:
+            order: dict[torch.fx.Node, int], plan: str = "never", kernel: str = "always") -> Candidate | Failure | None:
     """A checked candidate, the first reason the pattern's structural match failed, or None (no structure).
 
     ``order`` is each graph node's position (ancestor searches stop at the earliest node that matters); ``plan``
-    the backend's plan option (plans/choose.py) for blocks with projections on CUDA.
+    and ``kernel`` the backend's options (plans/choose.py) for blocks on CUDA with and without projections.
     """
     first_failure = None
     try:
         for sm in match_at(pattern.graph, pattern.meta_exprs, anchor):
-            result = _check(pattern, sm, space, order, plan)
+            result = _check(pattern, sm, space, order, plan, kernel)
             if isinstance(result, Candidate):
                 return result
             first_failure = first_failure or result
@@ -123,7 +123,8 @@ def attempt(pattern: Pattern, anchor: torch.fx.Node, space: HintSpace,
     return first_failure
 
 
-def _check(pattern: Pattern, sm: StructuralMatch, space: HintSpace, order, plan: str) -> Candidate | Failure:
+def _check(pattern: Pattern, sm: StructuralMatch, space: HintSpace, order, plan: str,
+           kernel: str = "always") -> Candidate | Failure:
     roles = {role: sm.nodes.get(node) for role, node in pattern.roles.items()}
     inside = _inputs_from_inside(pattern, sm, order)
     if inside:
@@ -149,7 +150,7 @@ def _check(pattern: Pattern, sm: StructuralMatch, space: HintSpace, order, plan:
         if verdict is not True:
             return Failure(pattern.name, verdict if isinstance(verdict, str) and verdict
                            else "the pattern's check refused the match", roles, 4)
-    runs, no_kernel = _what_runs(args, pattern.norm, plan)
+    runs, no_kernel = _what_runs(args, pattern.norm, plan, kernel)
     if no_kernel:
         return Failure(pattern.name, no_kernel, roles, 5)
     return Candidate(pattern, sm.anchor, dict(sm.values), sm.owned, roles, args, runs)
@@ -167,7 +168,7 @@ def _check_output(pattern: Pattern, args, anchor, space: HintSpace) -> None:
                            f"{tuple(y.shape)} {y.dtype} (its result has x's shape and dtype)")
 
 
-def _what_runs(args, norm, plan: str = "never") -> tuple[str, str | None]:
+def _what_runs(args, norm, plan: str = "never", kernel: str = "always") -> tuple[str, str | None]:
     """('reference' | 'generated CUDA kernel' | 'CUDA projection plan ...', why it is left to the compiler or None)."""
     x = args["x"]
     if x.device.type != "cuda":
@@ -183,13 +184,16 @@ def _what_runs(args, norm, plan: str = "never") -> tuple[str, str | None]:
         reason = f"the kernel check failed ({type(e).__name__}: {e})"
     if reason:
         return "left to the compiler", f"no fused CUDA kernel/plan for this block: {reason}"
-    if args["wq"] is None and args["wo"] is None:
+    projection_free = args["wq"] is None and args["wo"] is None
+    if projection_free and kernel == "always":
         return "generated CUDA kernel", None
     from ..plans.choose import decide
 
-    choice = decide(args, norm, plan)
-    if not choice.use_plan:
+    choice = decide(args, norm, kernel if projection_free else plan)
+    if not choice.fused:
         return "left to the compiler", choice.reason
+    if projection_free:
+        return f"generated CUDA kernel: {choice.reason}", None
     return f"CUDA projection plan: {choice.reason}", None
 
 

@@ -1,7 +1,12 @@
-"""Whether a matched projection block takes the plan or stays with the compiler.
+"""Whether a matched block takes the fused op (the plan, or for a projection-free block the generated kernel) or stays
+with the compiler.
 
 Options: ``plan="never"`` (the default: blocks with projections stay with the compiler), ``"measure"``, ``"always"``
-(tests, benchmarks). With ``"measure"``, for each new (device, dtype, shapes, variant) the plan is timed against
+(tests, benchmarks); ``kernel="always"`` (the default: projection-free blocks run the generated kernel) or
+``"measure"``, which times the kernel the same way and keeps it where it is faster on the GPU (its host cost per
+call, ~20-35 µs, is that of the few launches the compiler's own wrapper makes for the block, so GPU time alone
+decides: where the generated kernel is slower, 2048 keys or decode on the H200, docs/PERF.md §1, the block stays
+with the compiler). With ``"measure"``, for each new (device, dtype, shapes, variant) the plan is timed against
 the compiler (Inductor) on the same block with random inputs of those shapes, and taken only when it is faster
 on the GPU *and* its host time per call is below the compiler's GPU time: inside a compiled model the compiler's
 kernels of the block are launched from one generated wrapper, while the plan is an extern op call whose Python
@@ -25,13 +30,14 @@ import torch
 import torch.nn.functional as F
 
 POLICIES = ("measure", "always", "never")
+KERNEL_POLICIES = ("always", "measure")
 MARGIN = 0.97        # the plan must beat the compiler by 3 %: timing noise never flips a block to a slower path
 TIMEOUT_S = 600.0
 
 
 @dataclass(frozen=True)
 class Choice:
-    use_plan: bool
+    fused: bool
     reason: str       # in words, for the report: what was measured or why nothing was
 
 
@@ -56,16 +62,20 @@ def unfused_block(x, k, v, gamma, beta, wq, bq, wo, bo, mask, norm, eps, scale):
 
 
 def decide(args: dict, norm: str, policy: str) -> Choice:
-    """The plan or the compiler for one matched block; ``args`` are the op's arguments as fakes or metadata."""
-    if policy not in POLICIES:
-        raise ValueError(f"fusednorm: option plan={policy!r}; expected one of {POLICIES}")
+    """The fused op or the compiler for one matched block; ``args`` are the op's arguments as fakes or metadata,
+    ``policy`` the plan option for a block with projections, the kernel option for one without."""
+    what = "kernel" if args["wq"] is None and args["wo"] is None else "plan"
+    allowed = KERNEL_POLICIES if what == "kernel" else POLICIES
+    if policy not in allowed:
+        raise ValueError(f"fusednorm: option {what}={policy!r}; expected one of {allowed}")
     if policy == "always":
-        return Choice(True, "the plan (option plan='always')")
+        default = ", the default" if what == "kernel" else ""
+        return Choice(True, f"the {what} (option {what}='always'{default})")
     if policy == "never":
         return Choice(False, "left to the compiler (option plan='never', the default)")
     tensors = {n: args[n] for n in ("x", "k", "v", "gamma", "beta", "wq", "bq", "wo", "bo", "mask")}
     if any(t is not None and not all(isinstance(s, int) for s in t.shape) for t in tensors.values()):
-        return Choice(False, "left to the compiler: dynamic shapes (the plan is chosen by measuring a fixed shape)")
+        return Choice(False, f"left to the compiler: dynamic shapes (the {what} is chosen by measuring a fixed shape)")
     key = _key(tensors, norm, args["scale"])
     with _lock:
         hit = _choices.get(key)
@@ -95,22 +105,26 @@ def _measure(tensors, norm, eps, scale) -> Choice:
     worker = threading.Thread(target=work, name="fusednorm-plan-measure", daemon=True)
     worker.start()
     worker.join(TIMEOUT_S)
+    what = "kernel" if tensors.get("wq") is None and tensors.get("wo") is None else "plan"
     if "times" not in result:
         why = result.get("error", f"no result within {TIMEOUT_S:.0f} s")
-        return Choice(False, f"left to the compiler: the plan could not be measured ({why[:200]})")
-    return _verdict(*result["times"])
+        return Choice(False, f"left to the compiler: the {what} could not be measured ({why[:200]})")
+    return _verdict(*result["times"], what=what)
 
 
-def _verdict(plan_us: float, plan_host_us: float, compiler_us: float) -> Choice:
-    measured = (f"measured plan {plan_us:.1f} µs GPU, {plan_host_us:.1f} µs host per call vs compiler "
+def _verdict(fused_us: float, fused_host_us: float, compiler_us: float, what: str = "plan") -> Choice:
+    """The plan must beat the compiler on GPU time and on host time per call (see the module's docstring), the
+    kernel on GPU time."""
+    measured = (f"measured {what} {fused_us:.1f} µs GPU, {fused_host_us:.1f} µs host per call vs compiler "
                 f"{compiler_us:.1f} µs GPU")
-    if max(plan_us, plan_host_us) < MARGIN * compiler_us:
-        return Choice(True, f"the plan ({measured})")
+    cost = fused_us if what == "kernel" else max(fused_us, fused_host_us)
+    if cost < MARGIN * compiler_us:
+        return Choice(True, f"the {what} ({measured})")
     return Choice(False, f"left to the compiler: not faster ({measured})")
 
 
 def _time_both(tensors, norm, eps, scale) -> tuple[float, float, float]:
-    """(plan GPU µs, plan host µs per call through the op, compiler GPU µs) for random inputs of these shapes."""
+    """(fused op GPU µs, its host µs per call through the op, compiler GPU µs) for random inputs of these shapes."""
     x = tensors["x"]
     device = torch.device("cuda", x.device.index if x.device.index is not None else torch.cuda.current_device())
     with torch.cuda.device(device), torch.no_grad():

@@ -1,5 +1,6 @@
 """The backend on a CUDA GPU: projection-free blocks run the generated kernel inside torch.compile; blocks with
-the plan option set to "never" are left to Inductor. Skipped cleanly without a GPU."""
+the plan option set to "never" are left to Inductor; kernel="measure" keeps the faster of the kernel and Inductor.
+Skipped cleanly without a GPU."""
 from __future__ import annotations
 
 import pytest
@@ -89,5 +90,32 @@ def test_block_left_to_the_compiler_by_the_plan_option():
         want = model(x, k, v)
     assert report.matches == []
     assert any("plan='never'" in n.reason for n in report.near_misses), [n.reason for n in report.near_misses]
+    assert torch.isfinite(got).all()
+    assert _rel(got, want.double()) < 2e-2
+
+
+def test_kernel_measure_option_keeps_the_faster_of_kernel_and_compiler():
+    """kernel='measure': the block is timed both ways on the GPU (decode-like, one query row, where the two are
+    close on the H200); the report carries the numbers, the decision follows them, the output is right either way."""
+    import re
+
+    from fusednorm.plans import choose
+
+    B, L, D, H, Lk = 16, 1, 1280, 20, 1500
+    block = ProjectionFreeBlock(D, H).cuda().bfloat16().eval()
+    x = torch.randn(B, L, D, device="cuda", dtype=torch.bfloat16)
+    k, v = torch.randn(2, B, H, Lk, D // H, device="cuda", dtype=torch.bfloat16)
+    keep = torch.rand(B, Lk, device="cuda") > 0.2
+    report = Report()
+    with torch.no_grad():
+        got = torch.compile(block, backend="fusednorm", options={"report": report, "kernel": "measure"})(x, k, v, keep)
+        want = block(x, k, v, keep)
+    reasons = [m.runs for m in report.matches] + [n.reason for n in report.near_misses]
+    said = [r for r in reasons if "measured kernel" in r]
+    assert len(said) == 1, reasons
+    kernel_us, compiler_us = (float(t) for t in re.search(
+        r"measured kernel ([\d.]+) µs GPU, [\d.]+ µs host per call vs compiler ([\d.]+) µs GPU", said[0]).groups())
+    assert kernel_us > 0 and compiler_us > 0
+    assert (len(report.matches) == 1) == (kernel_us < choose.MARGIN * compiler_us)
     assert torch.isfinite(got).all()
     assert _rel(got, want.double()) < 2e-2
