@@ -57,7 +57,8 @@ def wgmma_helpers(spec: KernelSpec) -> str:
     the calls sit in discarded ``if constexpr`` branches there, which must still name defined functions."""
     ab = spec.dtype.replace("fp", "f")  # bf16 / f16
     out = []
-    for name, n, trans_b in (("wgmma_scores", spec.tile.block_n, 0), ("wgmma_output", spec.head_dim + (8 if spec.rowsum_in_pv else 0), 1),
+    output_n = spec.head_dim + (8 if spec.rowsum_in_pv else 0)
+    for name, n, trans_b in (("wgmma_scores", spec.tile.block_n, 0), ("wgmma_output", output_n, 1),
                              ("wgmma_row_sums", 8, 0)):
         if not spec.tile.wgmma:
             out.append(f"FN_INLINE void {name}(float (&d)[{max(n // 8, 1)}][4], const u32 (&a)[4], u64 b_desc, "

@@ -82,10 +82,11 @@ static_assert(!USE_WGMMA || (M_TILES == 1 && KEY_SPLIT == 1 && WARPS % 4 == 0 &&
               "wgmma: warps in whole warpgroups, one m-tile each, rows of whole 128-byte swizzle blocks");
 static_assert(!USE_TMA || USE_WGMMA, "bulk tensor copies: the wgmma tiles, whose stages hold the swizzled layout");
 
-// Shared memory, in bytes: K stages, V stages, (USE_WGMMA only) the ones of the row sums, (Q_IN_SMEM only) one Q tile per
-// warp, STAGES x-slice slots (a head's x slice lives from its first stage to its epilogue, which also stages y
-// there), per-row statistics, (key split only) the warps' partial row sums and the partial softmax states to merge,
-// STAGES slots for a head's norm parameters (gamma and beta, or u and b'), and (USE_TMA only) the stage barriers.
+// Shared memory, in bytes: K stages, V stages, (USE_WGMMA only) the ones of the row sums, (Q_IN_SMEM only) one Q
+// tile per warp, STAGES x-slice slots (a head's x slice lives from its first stage to its epilogue, which also
+// stages y there), per-row statistics, (key split only) the warps' partial row sums and the partial softmax states
+// to merge, STAGES slots for a head's norm parameters (gamma and beta, or u and b'), and (USE_TMA only) the stage
+// barriers.
 constexpr bool AFFINE_WIDE = Q_FROM_QRAW || AFFINE_IS_F32;  // fp32 parameters, else two 16-bit ones per register
 constexpr bool HAS_SCALE_VEC = Q_FROM_QRAW ? !NORM_IS_RMS : HAS_GAMMA;  // gamma, or u
 constexpr bool HAS_SHIFT_VEC = Q_FROM_QRAW || HAS_BETA;                 // beta, or b'
@@ -1018,7 +1019,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS_PER_SM)
   u32 phases = 0;  // USE_TMA: bit s is the parity of the next phase of stage s's barrier to wait for
 
   if constexpr (USE_WGMMA) {  // the row sums' B; the first step's barrier publishes it
-    for (int i = tid; i < ONES_BYTES / 4; i += THREADS) reinterpret_cast<u32*>(smem + OFF_ONES)[i] = pack2_elem(1.f, 1.f);
+    for (int i = tid; i < ONES_BYTES / 4; i += THREADS)
+      reinterpret_cast<u32*>(smem + OFF_ONES)[i] = pack2_elem(1.f, 1.f);
     fence_proxy_async();
   }
   if constexpr (USE_TMA) {
