@@ -61,10 +61,15 @@ def unfused_block(x, k, v, gamma, beta, wq, bq, wo, bo, mask, norm, eps, scale):
     return x + (F.linear(o, wo, bo) if wo is not None else o)
 
 
+def _fused_op(args: dict) -> str:
+    """What fuses the block: the generated kernel (no projections) or the plan."""
+    return "kernel" if args.get("wq") is None and args.get("wo") is None else "plan"
+
+
 def decide(args: dict, norm: str, policy: str) -> Choice:
     """The fused op or the compiler for one matched block; ``args`` are the op's arguments as fakes or metadata,
     ``policy`` the plan option for a block with projections, the kernel option for one without."""
-    what = "kernel" if args["wq"] is None and args["wo"] is None else "plan"
+    what = _fused_op(args)
     allowed = KERNEL_POLICIES if what == "kernel" else POLICIES
     if policy not in allowed:
         raise ValueError(f"fusednorm: option {what}={policy!r}; expected one of {allowed}")
@@ -105,7 +110,7 @@ def _measure(tensors, norm, eps, scale) -> Choice:
     worker = threading.Thread(target=work, name="fusednorm-plan-measure", daemon=True)
     worker.start()
     worker.join(TIMEOUT_S)
-    what = "kernel" if tensors.get("wq") is None and tensors.get("wo") is None else "plan"
+    what = _fused_op(tensors)
     if "times" not in result:
         why = result.get("error", f"no result within {TIMEOUT_S:.0f} s")
         return Choice(False, f"left to the compiler: the {what} could not be measured ({why[:200]})")
