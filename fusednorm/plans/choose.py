@@ -2,19 +2,20 @@
 with the compiler.
 
 Options: ``plan="never"`` (the default: blocks with projections stay with the compiler), ``"measure"``, ``"always"``
-(tests, benchmarks); ``kernel="always"`` (the default: projection-free blocks run the generated kernel) or
-``"measure"``, which times the kernel the same way and keeps it where it is faster on the GPU (its host cost per
-call, ~20-35 µs, is that of the few launches the compiler's own wrapper makes for the block, so GPU time alone
-decides: where the generated kernel is slower, 2048 keys or decode on the H200, docs/PERF.md §1, the block stays
-with the compiler). With ``"measure"``, for each new (device, dtype, shapes, variant) the plan is timed against
-the compiler (Inductor) on the same block with random inputs of those shapes, and taken only when it is faster
-on the GPU *and* its host time per call is below the compiler's GPU time: inside a compiled model the compiler's
-kernels of the block are launched from one generated wrapper, while the plan is an extern op call whose Python
-and cuBLAS launches cost host time of their own (dispatch.run_cuda_cached keeps a repeated signature's share
+(tests, benchmarks). With ``plan="measure"``, for each new (device, dtype, shapes, variant) the plan is timed
+against the compiler (Inductor) on the same block with random inputs of those shapes, and taken only when it is
+faster on the GPU *and* its host time per call is below the compiler's GPU time: inside a compiled model the
+compiler's kernels of the block are launched from one generated wrapper, while the plan is an extern op call whose
+Python and cuBLAS launches cost host time of their own (dispatch.run_cuda_cached keeps a repeated signature's share
 small: ~120 µs per call on the H200 host, 180-290 before it). A model that is host-bound (an SD-1.5 UNet at batch 2
 is) pays that in full: timing the plan and the isolated block back-to-back, host costs on both sides included,
 once picked the plan for 10 UNet blocks and made the model 23 % slower (docs/PERF.md §3). GPU times come from
 CUDA-graph replay, so neither side's host cost leaks into them.
+
+``kernel="always"`` (the default: projection-free blocks run the generated kernel) or ``"measure"``, which times
+the kernel the same way and keeps it where it is faster on the GPU. GPU time alone decides: the kernel's host cost
+per call (~20-35 µs) is about that of the few launches the compiler's wrapper makes for the same block. Where the
+kernel is slower (2048 keys, or decode, on the H200: docs/PERF.md §1) the block stays with the compiler.
 
 The measurement runs in a worker thread: the backend is called inside Dynamo's compile, whose tracing context
 and fake mode are thread-local, so the nested Inductor compile of the reference block sees neither.
