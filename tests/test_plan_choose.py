@@ -32,8 +32,7 @@ def measured(monkeypatch):
     def measure(tensors, norm, eps, scale):
         calls.append(tuple(tensors["x"].shape))
         fused_us, compiler_us = (50.0, 80.0) if tensors["x"].shape[1] == 64 else (80.0, 79.0)
-        what = "kernel" if tensors["wq"] is None and tensors["wo"] is None else "plan"
-        return choose._verdict(fused_us, 30.0, compiler_us, what=what)
+        return choose._verdict(fused_us, 30.0, compiler_us, what=choose._fused_op(tensors))
 
     monkeypatch.setattr(choose, "_measure", measure)
     monkeypatch.setattr(choose, "_key", lambda tensors, norm, scale: (norm, scale, tuple(
