@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from concurrent.futures import ProcessPoolExecutor
 
 import pytest
@@ -10,7 +11,8 @@ import torch
 pytest.importorskip("cuda.bindings.nvrtc")
 
 from fusednorm.codegen import select, why_no_kernel  # noqa: E402
-from fusednorm.codegen.nvrtc import compile_to_cubin, parse_ptxas_report  # noqa: E402
+from fusednorm.codegen.nvrtc import (compile_to_cubin, load_builtins_beside_nvrtc, nvrtc_version,  # noqa: E402
+                                     parse_ptxas_report)
 from fusednorm.codegen.render import render  # noqa: E402
 from fusednorm.codegen.spec import (HEAD_DIMS, TILE_ROLES, KernelSpec, supported_grid,  # noqa: E402
                                     tile_for)
@@ -31,6 +33,17 @@ def compiled_grid():
     workers = max(1, min(4, os.cpu_count() or 1))
     with ProcessPoolExecutor(workers) as pool:
         return dict(pool.map(_compile, GRID, chunksize=4))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/maps")
+def test_nvrtc_builtins_are_loaded_from_the_folder_libnvrtc_came_from():
+    # torch 2.14's CUDA builds pin an nvidia-cuda-nvrtc whose libnvrtc has no run path: its builtins must be loaded
+    path = load_builtins_beside_nvrtc()
+    with open("/proc/self/maps") as maps:
+        mapped = {line.split()[-1] for line in maps if "/libnvrtc" in line}
+    assert path is not None and path in mapped
+    assert os.path.basename(path) == f"libnvrtc-builtins.so.{nvrtc_version()}"
+    assert any(os.path.dirname(p) == os.path.dirname(path) and "/libnvrtc.so" in p for p in mapped)
 
 
 def test_grid_covers_every_dtype_head_dim_role_and_arch():

@@ -1,9 +1,13 @@
 """Compile CUDA C++ to a cubin for one GPU arch with NVRTC (through cuda-python), and read ptxas's report."""
 from __future__ import annotations
 
+import ctypes
+import functools
 import logging
+import os
 import re
 import struct
+import sys
 import time
 from dataclasses import dataclass
 
@@ -40,6 +44,31 @@ def nvrtc_version() -> str:
     err, major, minor = nvrtc.nvrtcVersion()
     _check(err, "nvrtcVersion")
     return f"{major}.{minor}"
+
+
+@functools.cache
+def load_builtins_beside_nvrtc() -> str | None:
+    """Load NVRTC's builtins library from the folder its libnvrtc was loaded from; returns its path, if loaded.
+
+    NVRTC opens libnvrtc-builtins.so.MAJOR.MINOR by name when it compiles. Some nvidia-cuda-nvrtc wheels (13.0,
+    which torch 2.14's CUDA builds pin) ship a libnvrtc without a run path, so that name resolves only if the
+    loader's search path holds the wheel's folder, which a pip install never sets, and every compile fails with
+    "failed to open libnvrtc-builtins". Loaded once beforehand, the library is found by its name.
+    """
+    if not sys.platform.startswith("linux"):
+        return None
+    major, minor = nvrtc_version().split(".")  # also makes cuda-python load libnvrtc
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if "/libnvrtc.so" in line}
+    except OSError:
+        return None
+    for path in sorted(paths):
+        builtins = os.path.join(os.path.dirname(path), f"libnvrtc-builtins.so.{major}.{minor}")
+        if os.path.exists(builtins):
+            ctypes.CDLL(builtins, mode=ctypes.RTLD_GLOBAL)
+            return builtins
+    return None
 
 
 def _check(err, what: str, log_text: str = "") -> None:
@@ -132,6 +161,7 @@ def _compile(source: str, kernel_name: str, arch: int) -> tuple[bytes, str]:
     """(cubin, compiler log) of one NVRTC compile."""
     from cuda.bindings import nvrtc
 
+    load_builtins_beside_nvrtc()
     err, prog = nvrtc.nvrtcCreateProgram(source.encode(), f"{kernel_name}.cu".encode(), 0, [], [])
     _check(err, "nvrtcCreateProgram")
     try:
