@@ -1,7 +1,10 @@
 """Run the generated kernel on one benchmark shape a few times, for Nsight Compute or compute-sanitizer.
 
     ncu --clock-control none --kernel-name regex:pnca_ --launch-skip 2 --launch-count 1 \
-        --section SpeedOfLight --section WarpStateStats python bench/profile_kernel.py seed
+        --section SpeedOfLight --section WarpStateStats python bench/profile_kernel.py seed [role]
+
+With ``eager`` in place of a role it runs eager PyTorch's block instead, so that the same profile of torch's own
+attention kernel (``--kernel-name regex:"flash|fmha"``) can be read beside the generated one's.
 """
 from __future__ import annotations
 
@@ -18,12 +21,17 @@ from fusednorm.codegen import select  # noqa: E402
 
 def main(argv):
     name = argv[0]
-    if len(argv) > 1:
+    eager = len(argv) > 1 and argv[1] == "eager"
+    if len(argv) > 1 and not eager:
         select.force_role = argv[1]
     gen = torch.Generator(device="cuda").manual_seed(0)
-    t = NoProjForm().make_inputs(SHAPES[name], torch.bfloat16, gen)
+    form = NoProjForm()
+    t = form.make_inputs(SHAPES[name], torch.bfloat16, gen)
     for _ in range(4):
-        y = fusednorm.fused_pre_norm_cross_attn(t["x"], t["k"], t["v"], t["gamma"], t["beta"], 1e-5)
+        if eager:
+            y = form.eager(**t)
+        else:
+            y = fusednorm.fused_pre_norm_cross_attn(t["x"], t["k"], t["v"], t["gamma"], t["beta"], 1e-5)
     torch.cuda.synchronize()
     print(name, tuple(y.shape), bool(torch.isfinite(y).all()))
 

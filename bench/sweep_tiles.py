@@ -56,7 +56,8 @@ CANDIDATES["many_keys"] = CANDIDATES["long"]  # the same tiles, chosen from MANY
 DEFAULT_SHAPES = "seed,sdxl64,sd15_64,t5_dec,whisper_dec,whisper_pre"
 SHAPES = {**SHAPES, "base_mid": (16, 96, 1024, 16, 300),  # sweep only: a shape the "base" role takes
           "pre_many": (16, 1792, 1280, 20, 1500),  # many_keys or long: Whisper prefill's keys, 4x its rows,
-          "lk2048_few": (4, 448, 1024, 16, 2048)}  # and Lk 2048 with few rows
+          "lk2048_few": (4, 448, 1024, 16, 2048),  # and Lk 2048 with few rows
+          "dec16": (16, 1, 1280, 20, 1500)}  # Whisper decode at batch 16: items fill about half the GPU
 
 
 def main():
