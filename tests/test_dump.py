@@ -225,6 +225,25 @@ def test_a_recompile_with_symbolic_sizes_gets_its_own_numbered_dump(tmp_path):
     assert MLIR_MISSING or "!torch.int" in mlir_text   # the symbolic sizes are inputs of the MLIR function
 
 
+def test_dynamic_shapes_dump_mlir_with_the_traced_eps(tmp_path):
+    # dynamic=True: Dynamo lifts LayerNorm's eps to a 0-d tensor input read by .item(), which torch.export turned
+    # into a value the fused op's float eps refused, so the MLIR dump failed with a warning
+    model = PreNormCrossAttention().eval()
+    x, ctx = _inputs()
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="fusednorm", dynamic=True,
+                             options={"compiler": "eager", "dump_dir": str(tmp_path)})
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("error", FusedNormWarning)
+        torch.testing.assert_close(compiled(x, ctx), model(x, ctx))
+    graphs = sorted(p for p in os.listdir(tmp_path) if p.startswith("graph_"))
+    assert len(graphs) == 1
+    mlir_text = assert_rewritten_mlir(tmp_path / graphs[0])
+    if not MLIR_MISSING:
+        assert ".item() is a graph input; shown as the value it was traced with, 1e-05" in mlir_text
+        assert "%float1.000000e-05" in mlir_text
+
+
 def test_env_var_turns_dumps_on(tmp_path, monkeypatch):
     monkeypatch.setenv("FUSEDNORM_DUMP", str(tmp_path))
     model = PreNormCrossAttention().eval()

@@ -5,6 +5,7 @@ know as generic operators, so the file shows exactly what fusednorm put in the g
 """
 from __future__ import annotations
 
+import copy
 import warnings
 
 import torch
@@ -31,13 +32,37 @@ def graph_to_mlir(gm: torch.fx.GraphModule, example_inputs=None, func_name: str 
         raise MlirUnavailable(reason)
     from torch_mlir import fx
 
+    gm, notes = scalar_items_as_traced(gm)
     args = fake_inputs(gm, example_inputs)
     # outside the compile that is running: torch.export would otherwise take on Dynamo's guards for its inputs
     with torch._guards.tracing(None), torch._guards.compile_context(None), warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)   # the importer's own deprecation notices
         # no decomposition table: layer_norm, linear and attention stay as the ops the graph holds
         module = fx.export_and_import(gm, *args, output_type="raw", func_name=func_name, decomposition_table={})
-    return str(module)
+    return "".join(f"// {note}\n" for note in notes) + str(module)
+
+
+def scalar_items_as_traced(gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, list[str]]:
+    """A copy of gm in which ``.item()`` of a one-element graph input is the number it was traced with, and notes.
+
+    With dynamic shapes Dynamo makes a module's float (LayerNorm's eps) a 0-d tensor input read by ``.item()``;
+    torch.export turns that read into a value it knows nothing about, which the fused op's ``float eps`` refuses.
+    The dump shows the traced number instead, and says so.
+    """
+    graph = copy.deepcopy(gm.graph)
+    notes = []
+    for node in list(graph.nodes):
+        if not (node.op == "call_method" and node.target == "item" and node.args[0].op == "placeholder"):
+            continue
+        value = node.meta.get("example_value", node.meta.get("val"))
+        if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+            value = _concrete(value)
+        if not isinstance(value, (int, float, bool)):
+            continue
+        notes.append(f"{node.args[0].name}.item() is a graph input; shown as the value it was traced with, {value!r}")
+        node.replace_all_uses_with(value)
+        graph.erase_node(node)
+    return (torch.fx.GraphModule(gm, graph), notes) if notes else (gm, notes)
 
 
 def fake_inputs(gm: torch.fx.GraphModule, example_inputs=None) -> list:
