@@ -240,7 +240,7 @@ def test_dynamic_shapes_dump_mlir_with_the_traced_eps(tmp_path):
     assert len(graphs) == 1
     mlir_text = assert_rewritten_mlir(tmp_path / graphs[0])
     if not MLIR_MISSING:
-        assert ".item() is a graph input; shown as the value it was traced with, 1e-05" in mlir_text
+        assert "eps is a graph input read by .item(): shown as the value it was traced with, 1e-05" in mlir_text
         assert "%float1.000000e-05" in mlir_text
 
 

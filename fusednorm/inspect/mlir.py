@@ -59,7 +59,8 @@ def scalar_items_as_traced(gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModu
             value = _concrete(value)
         if not isinstance(value, (int, float, bool)):
             continue
-        notes.append(f"{node.args[0].name}.item() is a graph input; shown as the value it was traced with, {value!r}")
+        notes.append(f"{node.args[0].name} is a graph input read by .item(): shown as the value it was traced with, "
+                     f"{value!r}")
         node.replace_all_uses_with(value)
         graph.erase_node(node)
     return (torch.fx.GraphModule(gm, graph), notes) if notes else (gm, notes)

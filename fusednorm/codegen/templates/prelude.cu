@@ -55,8 +55,8 @@ FN_INLINE bool pair_not_finite(u32 pair) {
 FN_INLINE u32 smem_addr(const void* p) { return (u32)__cvta_generic_to_shared(p); }
 
 // 16-byte global -> shared copy that bypasses L1; src_bytes == 0 fills the 16 bytes with zeros. The L2::128B
-// prefetch size (torch's flash kernel uses it too) measured Whisper decode -1.6 %, other shapes level; L2::256B
-// fetches the neighbouring head's slice as well (+27 %). docs/PERF.md, 12-04.
+// prefetch size measured Whisper decode -1.6 %, other shapes level; L2::256B, which also fetches the neighbouring
+// head's slice, cost decode 27 % (docs/PERF.md, 12-04).
 FN_INLINE void cp_async16(u32 dst, const void* src, int src_bytes) {
   asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
 }
