@@ -236,3 +236,21 @@ def test_every_ablation_cut_applies_to_each_kernel(arch, role, monkeypatch):
         if name in ("no_qk_mma", "no_pv_mma"):
             assert cut != source
             compile_to_cubin(cut, spec.key, spec.arch)
+
+
+def test_copy_probe_builds_every_copy_form_without_spills_and_sizes_shared_memory_for_the_occupancy_asked():
+    pytest.importorskip("cuda.bindings.nvrtc")
+    from fusednorm.codegen.nvrtc import compile_to_cubin
+
+    probe = _load("probe_copies", "probe_copies.py")
+    for form in probe.FORMS:
+        for stages in (3, 4):
+            _, usage, _ = compile_to_cubin(probe.source(form, stages), "probe_copies", 90)
+            assert usage.spill_stores == usage.spill_loads == 0 and usage.registers <= 128, (form, stages, usage)
+    for stages in (3, 4):
+        for ctas in (2, 3, 4):
+            smem = probe.smem_bytes(stages, ctas)
+            assert smem >= stages * probe.STAGE_BYTES
+            per_cta = smem + 1024
+            if stages * probe.STAGE_BYTES * ctas < probe.SMEM_PER_SM - ctas * 1024:  # the stages leave room
+                assert ctas * per_cta <= probe.SMEM_PER_SM < (ctas + 1) * per_cta
