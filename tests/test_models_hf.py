@@ -1,5 +1,5 @@
-"""Hugging Face encoder-decoders from tiny configs (random init, no downloads), with attn_implementation "sdpa" and
-"eager": every decoder cross-attention block is fused, the outputs match eager."""
+"""Hugging Face encoder-decoders (Whisper, T5, mBART) from tiny configs (random init, no downloads), with
+attn_implementation "sdpa" and "eager": every decoder cross-attention block is fused, the outputs match eager."""
 from __future__ import annotations
 
 import pytest
@@ -32,8 +32,21 @@ def t5(attn_implementation):
     return model, inputs, config.num_decoder_layers
 
 
+def mbart(attn_implementation):
+    config = transformers.MBartConfig(vocab_size=96, d_model=32, encoder_layers=1, decoder_layers=2,
+                                      encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64,
+                                      decoder_ffn_dim=64, max_position_embeddings=32, pad_token_id=1,
+                                      attn_implementation=attn_implementation)
+    model = transformers.MBartForConditionalGeneration(config).eval()
+    attention_mask = torch.ones(B, LK, dtype=torch.long)
+    attention_mask[1, -3:] = 0
+    inputs = dict(input_ids=torch.randint(3, 96, (B, LK)), attention_mask=attention_mask,
+                  decoder_input_ids=torch.randint(3, 96, (B, LQ)))
+    return model, inputs, config.decoder_layers
+
+
 @pytest.mark.parametrize("attn_implementation", ["sdpa", "eager"])
-@pytest.mark.parametrize("build", [whisper, t5], ids=["whisper", "t5"])
+@pytest.mark.parametrize("build", [whisper, t5, mbart], ids=["whisper", "t5", "mbart"])
 def test_encoder_decoder_cross_attention_is_fused(fusion, build, attn_implementation):
     torch.manual_seed(0)
     model, inputs, decoder_layers = build(attn_implementation)
@@ -46,3 +59,7 @@ def test_encoder_decoder_cross_attention_is_fused(fusion, build, attn_implementa
         assert {m.summary["norm"] for m in fusion.matches} == {"rms"}
         assert {m.summary["scale"] for m in fusion.matches} == {1.0}
         assert {m.summary["mask"] for m in fusion.matches} == {"additive"}
+    if build is mbart:  # pre-norm LayerNorm before the cross-attention, scaled, with the encoder's padding mask
+        assert {m.summary["norm"] for m in fusion.matches} == {"layer"}
+        assert {m.summary["scale"] for m in fusion.matches} == {8 ** -0.5}
+        assert {m.summary["mask"] for m in fusion.matches} <= {"bool", "additive"}
