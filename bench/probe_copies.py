@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import statistics
 import sys
 from pathlib import Path
 
@@ -73,20 +72,6 @@ class Probe:
         assert err == cu.CUresult.CUDA_SUCCESS, err
 
 
-def time_us(fn, reps=20, rounds=7) -> float:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    fn()
-    times = []
-    for _ in range(rounds):
-        start.record()
-        for _ in range(reps):
-            fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / reps)
-    return statistics.median(times)
-
-
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="64,1500,20", help="B,Lk,H (head dim 64)")
@@ -94,7 +79,7 @@ def main():
     ap.add_argument("--stages", default="3,4")
     ap.add_argument("--ctas", default="2,3,4")
     args = ap.parse_args()
-    from bench_block import copy_bandwidth_gbs
+    from bench_block import copy_bandwidth_gbs, graph_time_us
 
     B, Lk, H = (int(s) for s in args.shape.split(","))
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -113,7 +98,7 @@ def main():
                 smem = smem_bytes(stages, want)
                 ctas = probe.ctas_per_sm(smem)
                 for grid in sorted({min(items, sms * ctas), items}):
-                    us = time_us(lambda: probe.launch(k, v, H, Lk, items, grid, smem, sink))
+                    us = graph_time_us(lambda: probe.launch(k, v, H, Lk, items, grid, smem, sink), [{}])
                     shown_stages = "-" if form == 2 else stages
                     print(f"| {FORMS[form]} | {shown_stages} | {ctas} | {grid} | {us:.1f} | {nbytes / us / 1e3:.0f} "
                           f"| {probe.usage.registers} |", flush=True)
