@@ -50,7 +50,11 @@ CANDIDATES = {  # role -> candidate tiles, each with the __launch_bounds__ minim
                  (T(4, 1, 80, 1, 2, True, **WGT), 3), (T(4, 1, 80, 1, 3, True, **WGT), 2),
                  (T(16, 1, 80, 1, 2, True, **WGT), 1)],
     "short": [(T(4, 1, 16, 4, 4), 1), (T(4, 1, 32, 4, 4), 1), (T(4, 1, 16, 4, 6), 1), (T(8, 1, 16, 8, 4), 1),
-              (T(4, 1, 32, 4, 3), 1), (T(8, 1, 16, 8, 3), 1)],
+              (T(4, 1, 32, 4, 3), 1), (T(8, 1, 16, 8, 3), 1),
+              # swizzled stages, merged in a stage (no buffer of its own): 77 KB at 4 x 64 keys, 108 KB at 3 x 128
+              (T(4, 1, 16, 4, 4), 2), (T(4, 1, 16, 4, 3), 3), (T(4, 1, 16, 4, 6), 2), (T(4, 1, 32, 4, 2), 2),
+              (T(4, 1, 32, 4, 2), 3), (T(4, 1, 32, 4, 3), 2), (T(8, 1, 16, 8, 2), 2), (T(8, 1, 16, 8, 3), 2),
+              (T(4, 1, 48, 4, 2), 2)],
 }
 CANDIDATES["many_keys"] = CANDIDATES["long"]  # the same tiles, chosen from MANY_KEYS keys on
 DEFAULT_SHAPES = "seed,sdxl64,sd15_64,t5_dec,whisper_dec,whisper_pre"

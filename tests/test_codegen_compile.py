@@ -196,6 +196,30 @@ def test_sm90_long_tile_for_small_heads_takes_128_rows_but_the_plan_stage_keeps_
     assert plain.key in grid and stage.key in grid  # both compiled (and checked for spills) in CI
 
 
+def test_decode_tile_takes_wide_swizzled_steps_at_two_ctas_per_sm():
+    """The short (decode) tile for d = 64 takes 192 keys per step in 2 stages; its K/V stages are swizzled
+    (unpadded) and the key split merges inside a stage, which is what lets 2 CTAs fit per SM. Key-split tiles
+    swizzle only where a thread's copied rows share one swizzle phase (d = 256's 2 warps do not); d = 40 pads."""
+    from fusednorm.codegen import render
+
+    def spec(d, arch=90, role="short"):
+        return KernelSpec("bf16", d, "layer", True, True, False, "none", False, tile_for(role, d, arch), arch, False)
+
+    decode = spec(64)
+    assert decode.tile.token == "t16x48k4" and decode.kv_swizzled
+    assert 2 * (decode.smem_bytes() + 1024) <= 228 * 1024
+    stage = KernelSpec("bf16", 64, "rms", False, False, False, "bool", False, tile_for("short", 64, 90), 90, False,
+                       q_from_qraw=True, write_o=True)  # the projection plan's decode stage fits as many
+    assert 2 * (stage.smem_bytes() + 1024) <= 228 * 1024
+    assert "constexpr bool KV_SWIZZLED = true;" in render.render(decode)
+    assert spec(64, 80).kv_swizzled and spec(128).kv_swizzled  # a layout choice, not an sm_90 feature
+    assert not spec(256).kv_swizzled and not spec(40).kv_swizzled and not spec(80).kv_swizzled
+    assert "constexpr bool KV_SWIZZLED = false;" in render.render(spec(256))
+    assert not spec(64, role="few_keys", arch=80).kv_swizzled  # mma.sync tiles without a key split keep padded rows
+    assert spec(64, role="few_keys").kv_swizzled  # the sm_90 wgmma tiles read the swizzled layout
+    assert decode.smem_bytes() < 2 * 2 * 192 * (64 + 8) * 2  # less than its K/V stages alone would take padded
+
+
 def test_row_sums_ride_in_the_p_v_wgmma_where_the_ones_block_fits():
     """d = 64 wgmma tiles fold the row sums into P V (m64n72k16: a V-sized block of ones one block-step past V)
     wherever that block leaves the CTAs per SM the tile is built for; many_keys' 3 CTAs per SM do not fit it and

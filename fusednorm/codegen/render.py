@@ -33,6 +33,7 @@ def config_constants(spec: KernelSpec) -> dict:
         "USE_WGMMA": t.wgmma,
         "USE_TMA": t.tma,
         "ROWSUM_IN_PV": spec.rowsum_in_pv,
+        "KV_SWIZZLED": spec.kv_swizzled,
         "Q_IN_SMEM": spec.q_in_smem,
         "NORM_IS_RMS": spec.norm == "rms",
         "HAS_GAMMA": spec.has_gamma,

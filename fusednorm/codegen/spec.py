@@ -103,6 +103,10 @@ def tile_for(role: str, head_dim: int, arch: int = 80, stage: bool = False) -> T
     if role == "short":  # keys split between warps; deep pipeline, since decode only streams K/V
         if head_dim > 128:
             return TileConfig(warps=2, m_tiles=1, block_n=16, key_split=2, stages=2)
+        if head_dim == 64:
+            # swizzled stages of 192 keys, 2 CTAs per SM: fewer, wider steps. Against 4 stages of 64 keys in one
+            # run (µs): Whisper decode 127.7 -> 123.5, at batch 16 48.1 -> 36.5 (docs/PERF.md, eleventh run)
+            return TileConfig(warps=4, m_tiles=1, block_n=48, key_split=4, stages=2)
         return TileConfig(warps=4, m_tiles=1, block_n=16, key_split=4, stages=4 if head_dim <= 80 else 2)
     if role == "base":
         return TileConfig(warps=4, m_tiles=1, block_n=16 if head_dim > 128 else 64, key_split=1, stages=2)
@@ -190,6 +194,16 @@ class KernelSpec:
         return 1
 
     @property
+    def kv_swizzled(self) -> bool:
+        """K/V stages in the 128-byte-swizzle layout (unpadded rows; the XOR keeps ldmatrix free of bank
+        conflicts): every wgmma tile (the layout it reads), and the key-split tiles whose head dim is whole
+        64-column blocks and whose copies keep a thread's rows on one swizzle phase. 16 KB per 64-key stage
+        instead of 18 is part of what lets the decode tile take 2 stages of 192 keys at 2 CTAs per SM."""
+        t = self.tile
+        copy_rows = t.threads // (self.head_dim // 8)
+        return t.wgmma or (t.key_split > 1 and self.head_dim % 64 == 0 and copy_rows % 8 == 0)
+
+    @property
     def rowsum_in_pv(self) -> bool:
         """The wgmma P V also sums each row of P (8 more columns of O read from a block of ones the size of a
         64-column V tile) instead of a separate row-sum wgmma: d = 64 only (V is one 64-column block, so the ones
@@ -223,16 +237,15 @@ class KernelSpec:
         t = self.tile
         pad = (self.head_dim + 15) // 16 * 16
         row_stride = pad + 8
-        kv = 2 * t.stages * t.kv_rows * (self.head_dim if t.wgmma else row_stride) * 2  # wgmma: swizzled, unpadded
+        kv = 2 * t.stages * t.kv_rows * (self.head_dim if self.kv_swizzled else row_stride) * 2  # swizzled: unpadded
         q = t.warps * t.rows_per_warp * row_stride * 2 if self.q_in_smem else 0
         x_slots = t.stages * t.block_m * (self.head_dim if t.tma else row_stride) * 2  # tma: swizzled, unpadded
-        stats = t.warps * t.rows_per_warp * 2 * 4 + (t.warps * 16 * 2 * 4 if t.key_split > 1 else 0)
-        combine = t.warps * 16 * (self.head_dim + 2) * 4 if t.key_split > 1 else 0
+        stats = t.warps * t.rows_per_warp * 2 * 4 + (2 * t.warps * 16 * 2 * 4 if t.key_split > 1 else 0)
         wide = self.q_from_qraw or self.affine_f32
         has_vecs = self.q_from_qraw or self.has_gamma or self.has_beta
         affine_slots = t.stages * 2 * self.head_dim * (4 if wide else 2) if has_vecs else 0
         barriers = t.stages * 8 if t.tma else 0
-        return kv + ones + q + x_slots + stats + combine + affine_slots + barriers
+        return kv + ones + q + x_slots + stats + affine_slots + barriers  # the key split merges in a stage
 
 
 def supported_grid(archs=ARCHS):

@@ -21,6 +21,8 @@ CASES = [  # (role, dtype, B, Lq, Lk, H, d, mask, mean of x in units of its std[
     ("short", torch.bfloat16, 2, 1, 150, 2, 64, None, 0.0),
     ("short", torch.bfloat16, 2, 3, 150, 2, 64, None, 50.0),
     ("short", torch.float16, 1, 5, 77, 2, 256, "bool", 0.0),
+    ("short", torch.float16, 1, 2, 300, 2, 128, None, 0.0),  # swizzled stages, the partial states merged in one
+    ("short", torch.bfloat16, 2, 1, 700, 3, 64, "bool", 0.0, 1),  # several heads and stages per CTA
     ("base", torch.bfloat16, 2, 70, 77, 2, 40, "add", 0.0),
     ("base", torch.float16, 1, 33, 19, 2, 256, None, 0.0),
     ("base", torch.bfloat16, 1, 70, 100, 2, 128, "bool", 0.0),  # sm_90: the warpgroup mma (d 64 and 128)

@@ -84,17 +84,22 @@ static_assert(!USE_TMA || USE_WGMMA, "bulk tensor copies: the wgmma tiles, whose
 
 // Shared memory, in bytes: K stages, V stages, (USE_WGMMA only) the ones of the row sums, (Q_IN_SMEM only) one Q
 // tile per warp, STAGES x-slice slots (a head's x slice lives from its first stage to its epilogue, which also
-// stages y there), per-row statistics, (key split only) the warps' partial row sums and the partial softmax states
-// to merge, STAGES slots for a head's norm parameters (gamma and beta, or u and b'), and (USE_TMA only) the stage
-// barriers.
+// stages y there), per-row statistics, (key split only) the warps' partial row sums and the m and l of their
+// partial softmax states, STAGES slots for a head's norm parameters (gamma and beta, or u and b'), and (USE_TMA
+// only) the stage barriers. The key split merges the warps' partial o in the K and V tiles of the stage the head's
+// last step has just read (see combine_and_store): no buffer of its own, which leaves room for wider stages.
 constexpr bool AFFINE_WIDE = Q_FROM_QRAW || AFFINE_IS_F32;  // fp32 parameters, else two 16-bit ones per register
 constexpr bool HAS_SCALE_VEC = Q_FROM_QRAW ? !NORM_IS_RMS : HAS_GAMMA;  // gamma, or u
 constexpr bool HAS_SHIFT_VEC = Q_FROM_QRAW || HAS_BETA;                 // beta, or b'
 constexpr int AFFINE_SLOT_BYTES = (HAS_SCALE_VEC || HAS_SHIFT_VEC) ? 2 * HEAD_DIM * (AFFINE_WIDE ? 4 : 2) : 0;
-// K/V rows: padded (ROW_STRIDE) for ldmatrix, or with USE_WGMMA 64-element column blocks of KV_ROWS rows of 128
-// bytes each, 16-byte chunk c of row r at chunk c ^ (r % 8) (each stage starts on a 1024-byte boundary).
-constexpr int KV_TILE_ELEMS = KV_ROWS * (USE_WGMMA ? HEAD_DIM : ROW_STRIDE);
-constexpr int KV_ROW_BYTES = USE_WGMMA ? 128 : ROW_STRIDE * 2;  // from one row of a stage to the next
+// K/V rows: padded (ROW_STRIDE) for ldmatrix, or with KV_SWIZZLED (every USE_WGMMA tile, and the key-split tiles
+// of d = 64 and 128: spec.kv_swizzled) 64-element column blocks of KV_ROWS rows of 128 bytes each, 16-byte chunk c
+// of row r at chunk c ^ (r % 8) (with USE_WGMMA each stage starts on a 1024-byte boundary).
+constexpr int KV_ROW_ELEMS = KV_SWIZZLED ? 64 : ROW_STRIDE;  // from one row of a stage (or column block) to the next
+constexpr int KV_TILE_ELEMS = KV_ROWS * (KV_SWIZZLED ? HEAD_DIM : ROW_STRIDE);
+constexpr int KV_ROW_BYTES = KV_ROW_ELEMS * 2;
+static_assert(!USE_WGMMA || KV_SWIZZLED, "wgmma reads the swizzled layout");
+static_assert(!KV_SWIZZLED || HEAD_DIM % 64 == 0, "swizzled rows are whole 64-column blocks");
 constexpr int Q_TILE_ELEMS = ROWS_PER_WARP * ROW_STRIDE;
 constexpr int X_ROW_ELEMS = USE_TMA ? 64 : ROW_STRIDE;  // from one row of an x slot to the next (see x_elem_offset)
 constexpr int X_TILE_ELEMS = BLOCK_M * (USE_TMA ? HEAD_DIM : ROW_STRIDE);
@@ -108,11 +113,14 @@ constexpr int OFF_Q = OFF_ONES + ONES_BYTES;
 constexpr int OFF_X = OFF_Q + (Q_IN_SMEM ? WARPS * Q_TILE_ELEMS * 2 : 0);
 constexpr int OFF_STATS = OFF_X + STAGES * X_TILE_ELEMS * 2;
 constexpr int OFF_STAT_PARTS = OFF_STATS + WARPS * ROWS_PER_WARP * 2 * 4;
-constexpr int OFF_COMBINE = OFF_STAT_PARTS + (KEY_SPLIT > 1 ? WARPS * 16 * 2 * 4 : 0);
-constexpr int COMBINE_BYTES = KEY_SPLIT > 1 ? WARPS * 16 * (HEAD_DIM + 2) * 4 : 0;
-constexpr int OFF_AFFINE = OFF_COMBINE + COMBINE_BYTES;
+constexpr int OFF_MERGE_STATS = OFF_STAT_PARTS + (KEY_SPLIT > 1 ? WARPS * 16 * 2 * 4 : 0);  // key split: m and l
+constexpr int OFF_AFFINE = OFF_MERGE_STATS + (KEY_SPLIT > 1 ? WARPS * 16 * 2 * 4 : 0);
 constexpr int OFF_BARS = OFF_AFFINE + STAGES * AFFINE_SLOT_BYTES;  // USE_TMA: one mbarrier per stage
 static_assert(OFF_BARS + (USE_TMA ? STAGES * 8 : 0) <= SMEM_BYTES, "launch.py's shared-memory size is too small");
+// key split: the first half of the warps' partial o in a K tile, the second half in a V tile
+constexpr int COMBINE_K_WARPS = (WARPS + 1) / 2;
+static_assert(KEY_SPLIT == 1 || COMBINE_K_WARPS * 16 * HEAD_DIM * 4 <= KV_TILE_ELEMS * 2,
+              "the key split's merge fits one K tile and one V tile");
 static_assert(!USE_TMA || (OFF_X % 1024 == 0 && X_TILE_ELEMS * 2 % 1024 == 0 && OFF_BARS % 8 == 0),
               "swizzled x slots start on 1024-byte boundaries");
 
@@ -452,6 +460,12 @@ FN_INLINE void q_fragments(const Params& p, const QSource& src, u16* q_tile,
 
 // ---- K/V stage loads (whole CTA) ----
 
+// Element offset of 16-byte chunk c of row r in a K/V stage (padded rows, or swizzled: see KV_SWIZZLED).
+FN_INLINE int kv_chunk_offset(int r, int c) {
+  if constexpr (KV_SWIZZLED) return ((c / 8) * KV_ROWS + r) * 64 + ((c % 8) ^ (r % 8)) * 8;
+  return r * ROW_STRIDE + c * 8;
+}
+
 // Copies are 16-byte chunks. Thread tid always copies chunk tid % CHUNKS of rows tid / CHUNKS + i * COPY_ROWS, so the
 // row and column offsets are worked out once per tile and each further row costs one pointer add (threads past
 // COPY_ROWS * CHUNKS have no chunk and return at once).
@@ -469,10 +483,9 @@ FN_INLINE void load_kv_tile(const Params& p, int b, int head, int key_base, u16*
   const u16* kp = k_head + (key_base + r0) * p.k_sl + c;
   const u16* vp = v_head + (key_base + r0) * p.v_sl + c;
   const long long k_step = COPY_ROWS * p.k_sl, v_step = COPY_ROWS * p.v_sl;
-  // swizzled (USE_WGMMA): rows r0 + i * COPY_ROWS share r0 % 8, so one offset serves every row of this thread
-  static_assert(!USE_WGMMA || COPY_ROWS % 8 == 0, "wgmma: a thread's rows share their swizzle");
-  const u32 dst_off = USE_WGMMA ? ((c / 64) * KV_ROWS + r0) * 128 + (((c / 8) % 8) ^ (r0 % 8)) * 16
-                                : (r0 * ROW_STRIDE + c) * 2;
+  // swizzled: rows r0 + i * COPY_ROWS share r0 % 8, so one offset serves every row of this thread
+  static_assert(!KV_SWIZZLED || COPY_ROWS % 8 == 0, "swizzled stages: a thread's rows share their swizzle");
+  const u32 dst_off = kv_chunk_offset(r0, c / 8) * 2;
   const u32 k_dst = smem_addr(k_stage) + dst_off, v_dst = smem_addr(v_stage) + dst_off;
 #pragma unroll
   for (int i = 0; i < (KV_ROWS + COPY_ROWS - 1) / COPY_ROWS; ++i) {
@@ -589,8 +602,8 @@ FN_INLINE void attend_tile(const Params& p, const QSource& src,
     for (int np = 0; np < S_NTILES / 2; ++np) {
       if (FILL != FILL_ANY || np * 16 < valid) {
         u32 b[4];
-        ldmatrix_x4(b, smem_addr(k_tile + (np * 16 + (lane & 7) + ((lane >> 4) << 3)) * ROW_STRIDE + kk * 16 +
-                                 ((lane >> 3) & 1) * 8));
+        ldmatrix_x4(b, smem_addr(k_tile + kv_chunk_offset(np * 16 + (lane & 7) + ((lane >> 4) << 3),
+                                                          kk * 2 + ((lane >> 3) & 1))));
 #pragma unroll
         for (int mt = 0; mt < M_TILES; ++mt) {
           mma_16816(s[mt][2 * np], a[mt], b[0], b[1]);
@@ -751,11 +764,12 @@ FN_INLINE void attend_tile(const Params& p, const QSource& src,
         a[mt][3] = pk[mt][2 * ks + 1][1];
         mma_16816(lc[mt], a[mt], ones, ones);
       }
-      const u16* v_rows = v_tile + (ks * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * ROW_STRIDE;
+      const int v_row = ks * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
+      const u16* v_rows = v_tile + v_row * ROW_STRIDE;  // (d = 40 below: never swizzled)
 #pragma unroll
       for (int dp = 0; dp < O_NTILES / 2; ++dp) {
         u32 b[4];
-        ldmatrix_x4_trans(b, smem_addr(v_rows + dp * 16 + (lane >> 4) * 8));
+        ldmatrix_x4_trans(b, smem_addr(v_tile + kv_chunk_offset(v_row, dp * 2 + (lane >> 4))));
 #pragma unroll
         for (int mt = 0; mt < M_TILES; ++mt) {
           mma_16816(o[mt][2 * dp], a[mt], b[0], b[1]);
@@ -868,14 +882,21 @@ FN_INLINE void store_output_rows(const Params& p, const TmaMaps& maps, int b, u1
 }
 
 // Key split: every warp holds a partial (m, l, o) for the same 16 rows; merge them in warp order (deterministic).
+// The partial o go to the K and V tiles of the stage this step has read (k_tile, v_tile): once every warp is past
+// its reads, nothing else touches that stage until the next step's barrier, after which it is refilled.
 FN_INLINE void combine_and_store(const Params& p, const u16* x_tile, u16* y_batch, int row0, int col0,
                                  const float (&o)[M_TILES][O_ACC_NTILES][4], const float (&m)[M_TILES][2],
-                                 const float (&l)[M_TILES][2], float* combine, int warp, int lane, int tid,
+                                 const float (&l)[M_TILES][2], u16* k_tile, u16* v_tile, int warp, int lane, int tid,
                                  bool& bad) {
-  float* acc_all = combine;                          // [WARPS][16][HEAD_DIM]
-  float* m_all = combine + WARPS * 16 * HEAD_DIM;    // [WARPS][16]
-  float* l_all = m_all + WARPS * 16;                 // [WARPS][16]
+  float* acc_k = reinterpret_cast<float*>(k_tile);                  // [COMBINE_K_WARPS][16][HEAD_DIM]
+  float* acc_v = reinterpret_cast<float*>(v_tile);                  // [the other warps][16][HEAD_DIM]
+  float* m_all = reinterpret_cast<float*>(smem + OFF_MERGE_STATS);  // [WARPS][16]
+  float* l_all = m_all + WARPS * 16;                                // [WARPS][16]
+  const auto rows_of = [&](int w) {  // warp w's 16 rows of partial o
+    return w < COMBINE_K_WARPS ? acc_k + w * 16 * HEAD_DIM : acc_v + (w - COMBINE_K_WARPS) * 16 * HEAD_DIM;
+  };
   const int g = lane >> 2, t2 = (lane & 3) * 2;
+  __syncthreads();  // every warp has read the stage
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const float lsum = l[0][half];
@@ -884,7 +905,7 @@ FN_INLINE void combine_and_store(const Params& p, const u16* x_tile, u16* y_batc
       m_all[warp * 16 + r] = m[0][half];
       l_all[warp * 16 + r] = lsum;
     }
-    float* acc_row = acc_all + (warp * 16 + r) * HEAD_DIM;
+    float* acc_row = rows_of(warp) + r * HEAD_DIM;
 #pragma unroll
     for (int nt = 0; nt < O_NTILES; ++nt) {
       acc_row[nt * 8 + t2] = o[0][nt][2 * half];
@@ -908,7 +929,7 @@ FN_INLINE void combine_and_store(const Params& p, const u16* x_tile, u16* y_batc
     for (int w = 0; w < WARPS; ++w) {
       const float wt = fast_exp2(m_all[w * 16 + r] - m_use);
       total += wt * l_all[w * 16 + r];
-      const float* acc_row = acc_all + (w * 16 + r) * HEAD_DIM + c;
+      const float* acc_row = rows_of(w) + r * HEAD_DIM + c;
 #pragma unroll
       for (int e = 0; e < 8; ++e) f[e] = fmaf(wt, acc_row[e], f[e]);
     }
@@ -1013,7 +1034,6 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS_PER_SM)
   float* row_mean = reinterpret_cast<float*>(smem + OFF_STATS) + warp * 2 * ROWS_PER_WARP;
   float* row_rstd = row_mean + ROWS_PER_WARP;
   float* stat_parts = reinterpret_cast<float*>(smem + OFF_STAT_PARTS);
-  float* combine = reinterpret_cast<float*>(smem + OFF_COMBINE);
   u8* affine_slots = smem + OFF_AFFINE;
   const u32 bars = smem_addr(smem + OFF_BARS);
   u32 phases = 0;  // USE_TMA: bit s is the parity of the next phase of stage s's barrier to wait for
@@ -1122,8 +1142,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS_PER_SM)
     const int valid = min(BLOCK_N, p.kv_len - key0);
     if (attend_rows && valid > 0) {
       const long long mask_bh = MASK_KIND != 0 ? cur.b * p.m_sb + cur.head * p.m_sh : 0;
-      const u16* k_tile = k_stages + stage * KV_TILE_ELEMS + warp_key_offset * ROW_STRIDE;
-      const u16* v_tile = v_stages + stage * KV_TILE_ELEMS + warp_key_offset * ROW_STRIDE;
+      const u16* k_tile = k_stages + stage * KV_TILE_ELEMS + warp_key_offset * KV_ROW_ELEMS;
+      const u16* v_tile = v_stages + stage * KV_TILE_ELEMS + warp_key_offset * KV_ROW_ELEMS;
       if (valid == BLOCK_N)
         attend_tile<FILL_ALL>(p, src, qf, q_tile, k_tile, v_tile, key0, valid, row0, mask_bh, head_first, o, m, l,
                               lane);
@@ -1137,7 +1157,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS_PER_SM)
 
     if (head_last) {
       if constexpr (KEY_SPLIT > 1) {
-        combine_and_store(p, x_tile, y_batch, row0, col0, o, m, l, combine, warp, lane, tid, bad);
+        combine_and_store(p, x_tile, y_batch, row0, col0, o, m, l, k_stages + stage * KV_TILE_ELEMS,
+                          v_stages + stage * KV_TILE_ELEMS, warp, lane, tid, bad);
       } else if (warp_rows) {
         store_output_rows(p, maps, cur.b, y_batch, row0, col0, o, l, x_warp, lane, bad);
       }
