@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 DTYPES = ("bf16", "fp16")
-HEAD_DIMS = (32, 40, 64, 80, 96, 128, 256)
+HEAD_DIMS = (32, 40, 64, 80, 96, 128, 160, 256)  # 160: SD-1.5's UNet at its 1280 channels (8 heads)
 MASK_KINDS = ("none", "bool", "add")
 ARCHS = (80, 90)  # what CI compiles for; any sm_8x / sm_9x device gets its own arch at run time
 

@@ -85,7 +85,8 @@ def test_every_projection_variant(dtype, variant):
         check(make(DTYPES[dtype], variant, norm, mask, gen=gen), norm)
 
 
-@pytest.mark.parametrize("d,H,Lq,Lk", [(40, 8, 1, 77), (80, 4, 129, 300), (128, 2, 3, 1500), (64, 4, 200, 16)])
+@pytest.mark.parametrize("d,H,Lq,Lk", [(40, 8, 1, 77), (80, 4, 129, 300), (128, 2, 3, 1500), (64, 4, 200, 16),
+                                       (160, 2, 70, 77)])
 def test_head_dims_and_lengths(d, H, Lq, Lk):
     check(make(torch.bfloat16, "full", "layer", "bool", H=H, d=d, Lq=Lq, Lk=Lk), "layer")
 
