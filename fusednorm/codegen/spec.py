@@ -240,6 +240,7 @@ class KernelSpec:
         kv = 2 * t.stages * t.kv_rows * (self.head_dim if self.kv_swizzled else row_stride) * 2  # swizzled: unpadded
         q = t.warps * t.rows_per_warp * row_stride * 2 if self.q_in_smem else 0
         x_slots = t.stages * t.block_m * (self.head_dim if t.tma else row_stride) * 2  # tma: swizzled, unpadded
+        # per-row mean and rstd; with a key split also the warps' partial sums and their merged m and l
         stats = t.warps * t.rows_per_warp * 2 * 4 + (2 * t.warps * 16 * 2 * 4 if t.key_split > 1 else 0)
         wide = self.q_from_qraw or self.affine_f32
         has_vecs = self.q_from_qraw or self.has_gamma or self.has_beta
