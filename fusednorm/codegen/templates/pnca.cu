@@ -460,11 +460,10 @@ FN_INLINE void q_fragments(const Params& p, const QSource& src, u16* q_tile,
 
 // ---- K/V stage loads (whole CTA) ----
 
-// Element offset of 16-byte chunk c of row r in a K/V stage (padded rows, or swizzled: see KV_SWIZZLED).
-FN_INLINE int kv_chunk_offset(int r, int c) {
-  if constexpr (KV_SWIZZLED) return ((c / 8) * KV_ROWS + r) * 64 + ((c % 8) ^ (r % 8)) * 8;
-  return r * ROW_STRIDE + c * 8;
-}
+// Element offset of 16-byte chunk c of row r in a swizzled K/V stage (see KV_SWIZZLED). Padded stages keep their
+// address expressions written out where they are used: routed through one helper, ptxas scheduled the padded
+// kernels differently (SD 1.5's few-key kernel grew by 80 instructions).
+FN_INLINE int kv_swizzled_offset(int r, int c) { return ((c / 8) * KV_ROWS + r) * 64 + ((c % 8) ^ (r % 8)) * 8; }
 
 // Copies are 16-byte chunks. Thread tid always copies chunk tid % CHUNKS of rows tid / CHUNKS + i * COPY_ROWS, so the
 // row and column offsets are worked out once per tile and each further row costs one pointer add (threads past
@@ -485,7 +484,7 @@ FN_INLINE void load_kv_tile(const Params& p, int b, int head, int key_base, u16*
   const long long k_step = COPY_ROWS * p.k_sl, v_step = COPY_ROWS * p.v_sl;
   // swizzled: rows r0 + i * COPY_ROWS share r0 % 8, so one offset serves every row of this thread
   static_assert(!KV_SWIZZLED || COPY_ROWS % 8 == 0, "swizzled stages: a thread's rows share their swizzle");
-  const u32 dst_off = kv_chunk_offset(r0, c / 8) * 2;
+  const u32 dst_off = KV_SWIZZLED ? kv_swizzled_offset(r0, c / 8) * 2 : (r0 * ROW_STRIDE + c) * 2;
   const u32 k_dst = smem_addr(k_stage) + dst_off, v_dst = smem_addr(v_stage) + dst_off;
 #pragma unroll
   for (int i = 0; i < (KV_ROWS + COPY_ROWS - 1) / COPY_ROWS; ++i) {
@@ -602,8 +601,9 @@ FN_INLINE void attend_tile(const Params& p, const QSource& src,
     for (int np = 0; np < S_NTILES / 2; ++np) {
       if (FILL != FILL_ANY || np * 16 < valid) {
         u32 b[4];
-        ldmatrix_x4(b, smem_addr(k_tile + kv_chunk_offset(np * 16 + (lane & 7) + ((lane >> 4) << 3),
-                                                          kk * 2 + ((lane >> 3) & 1))));
+        const int k_row = np * 16 + (lane & 7) + ((lane >> 4) << 3), k_half = (lane >> 3) & 1;
+        ldmatrix_x4(b, smem_addr(KV_SWIZZLED ? k_tile + kv_swizzled_offset(k_row, kk * 2 + k_half)
+                                             : k_tile + k_row * ROW_STRIDE + kk * 16 + k_half * 8));
 #pragma unroll
         for (int mt = 0; mt < M_TILES; ++mt) {
           mma_16816(s[mt][2 * np], a[mt], b[0], b[1]);
@@ -765,11 +765,12 @@ FN_INLINE void attend_tile(const Params& p, const QSource& src,
         mma_16816(lc[mt], a[mt], ones, ones);
       }
       const int v_row = ks * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
-      const u16* v_rows = v_tile + v_row * ROW_STRIDE;  // (d = 40 below: never swizzled)
+      const u16* v_rows = v_tile + v_row * ROW_STRIDE;  // padded rows
 #pragma unroll
       for (int dp = 0; dp < O_NTILES / 2; ++dp) {
         u32 b[4];
-        ldmatrix_x4_trans(b, smem_addr(v_tile + kv_chunk_offset(v_row, dp * 2 + (lane >> 4))));
+        ldmatrix_x4_trans(b, smem_addr(KV_SWIZZLED ? v_tile + kv_swizzled_offset(v_row, dp * 2 + (lane >> 4))
+                                                   : v_rows + dp * 16 + (lane >> 4) * 8));
 #pragma unroll
         for (int mt = 0; mt < M_TILES; ++mt) {
           mma_16816(o[mt][2 * dp], a[mt], b[0], b[1]);
