@@ -35,7 +35,8 @@ CANDIDATES = {  # role -> candidate tiles, each with the __launch_bounds__ minim
              (T(4, 1, 112, 1, 3, **WGT), 2), (T(4, 1, 64, 1, 3, **WGT), 3),
              # 128-row items (two warpgroups share each K/V stage: half the K/V traffic of 64-row items)
              (T(8, 1, 64, 1, 2, **WGT), 2), (T(8, 1, 128, 1, 2, **WGT), 1), (T(8, 1, 128, 1, 3, **WGT), 1),
-             (T(8, 1, 112, 1, 2, **WGT), 1), (T(8, 1, 64, 1, 3, **WGT), 1), (T(8, 1, 64, 1, 4, **WGT), 1)],
+             (T(8, 1, 112, 1, 2, **WGT), 1), (T(8, 1, 64, 1, 3, **WGT), 1), (T(8, 1, 64, 1, 4, **WGT), 1),
+             (T(8, 1, 64, 1, 3, **WGT), 2)],  # a third stage at 2 CTAs per SM: 110 KB, <= 128 registers
     "base": [(T(4, 1, 64, 1, 2), 3), (T(4, 1, 128, 1, 2), 1), (T(4, 1, 64, 1, 3), 3),
              (T(4, 1, 64, 1, 2, **WG), 3), (T(8, 1, 64, 1, 2, **WG), 1), (T(4, 1, 64, 1, 2, **WGT), 3)],
     "few_keys": [(T(8, 1, 80, 1, 2, True), 2), (T(16, 1, 80, 1, 2, True), 1), (T(4, 1, 80, 1, 2, True), 3),
@@ -68,6 +69,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default=DEFAULT_SHAPES)
     ap.add_argument("--only", default="", help="candidate tokens to time (default: all of the role's)")
+    ap.add_argument("--groups", default="", help="heads per item G to time the chosen tile with, e.g. 16,8,4 "
+                    "('--only none' skips the tile candidates)")
     args = ap.parse_args()
     form = NoProjForm()
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -107,8 +110,24 @@ def main():
         codegen.tile_for = original
         spec_mod.KernelSpec.min_ctas_per_sm = original_min_ctas
         codegen.forget_loaded_kernels()
+        if args.groups:
+            time_head_groups(form, t, ref, [int(g) for g in args.groups.split(",")])
         del t, ref
         torch.cuda.empty_cache()
+
+
+def time_head_groups(form, t, ref, gs):
+    """The chosen tile as planned (G from select.plan_launch's cost model), then with G heads per item forced."""
+    for g in [None] + gs:
+        select.force_heads_per_item = g
+        codegen.forget_loaded_kernels()
+        diff = rel_diff(form.fused(**t), ref)
+        us = graph_time_us(form.fused, [t], min_total_s=0.1)
+        plan = next(iter(codegen._plans.values()))
+        print(f"  {'planned' if g is None else 'forced'}: G {plan.heads_per_item:2d} groups {plan.head_groups:2d} "
+              f"items {plan.items:5d} grid {plan.grid:4d} {us:8.1f} us  rel diff {diff:.1e}", flush=True)
+    select.force_heads_per_item = None
+    codegen.forget_loaded_kernels()
 
 
 if __name__ == "__main__":

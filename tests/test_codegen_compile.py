@@ -307,6 +307,16 @@ def test_plan_covers_every_row_and_head():
         assert 1 <= p.grid <= min(p.items, 132 * 3)
 
 
+def test_forced_heads_per_item_pins_g_and_still_covers_every_head(monkeypatch):
+    # the benchmarks' knob (bench/sweep_tiles.py --groups): any G, even one the cost model would skip as uneven
+    tile = tile_for("few_keys", 64)
+    for g in (1, 3, 8, 10, 40):
+        monkeypatch.setattr(select, "force_heads_per_item", g)
+        p = select.plan_launch("few_keys", tile, 2, 4096, 77, 10, 64, sm_count=132, ctas_per_sm=2)
+        assert p.heads_per_item == min(g, 10) and p.head_groups == -(-10 // min(g, 10))
+        assert p.head_groups * p.heads_per_item >= 10 > (p.head_groups - 1) * p.heads_per_item
+
+
 # ---- why_no_kernel works on fake / meta tensors ----
 
 def _fake_inputs(dtype=torch.bfloat16, d=64, device="cuda"):

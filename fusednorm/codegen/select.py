@@ -40,6 +40,9 @@ def tile_role(q_len: int, kv_len: int, batch: int = 1, heads: int = 1, sm_count:
     return "base"
 
 
+force_heads_per_item: int | None = None  # pins G (benchmarks compare the splits with it)
+
+
 @dataclass(frozen=True)
 class LaunchPlan:
     role: str
@@ -69,7 +72,10 @@ def plan_launch(role: str, tile: TileConfig, batch: int, q_len: int, kv_len: int
     best = None
     for g in range(1, heads + 1):
         groups = _cdiv(heads, g)
-        if g > 1 and _cdiv(heads, g - 1) == groups:
+        if force_heads_per_item is not None:
+            if g != min(force_heads_per_item, heads):
+                continue
+        elif g > 1 and _cdiv(heads, g - 1) == groups:
             continue  # same number of groups as a smaller G: keep the most even split
         items = batch * row_blocks * groups
         cost = _cdiv(items, slots) * (g * head_cost + stats_cost)
