@@ -36,7 +36,7 @@ CANDIDATES = {  # role -> candidate tiles, each with the __launch_bounds__ minim
              # 128-row items (two warpgroups share each K/V stage: half the K/V traffic of 64-row items)
              (T(8, 1, 64, 1, 2, **WGT), 2), (T(8, 1, 128, 1, 2, **WGT), 1), (T(8, 1, 128, 1, 3, **WGT), 1),
              (T(8, 1, 112, 1, 2, **WGT), 1), (T(8, 1, 64, 1, 3, **WGT), 1), (T(8, 1, 64, 1, 4, **WGT), 1),
-             (T(8, 1, 64, 1, 3, **WGT), 2)],  # a third stage at 2 CTAs per SM: 110 KB, <= 128 registers
+             (T(8, 1, 64, 1, 3, **WGT), 2)],  # a third stage at 2 CTAs per SM (110 KB): lost, PERF.md twelfth run
     "base": [(T(4, 1, 64, 1, 2), 3), (T(4, 1, 128, 1, 2), 1), (T(4, 1, 64, 1, 3), 3),
              (T(4, 1, 64, 1, 2, **WG), 3), (T(8, 1, 64, 1, 2, **WG), 1), (T(4, 1, 64, 1, 2, **WGT), 3)],
     "few_keys": [(T(8, 1, 80, 1, 2, True), 2), (T(16, 1, 80, 1, 2, True), 1), (T(4, 1, 80, 1, 2, True), 3),
