@@ -5,7 +5,8 @@
 #   one whose library is missing is skipped); ncu: the seed shape under Nsight Compute, with the per-instruction
 #   summary of bench/sass_profile.py; host: host time per op call (bench/host_profile_plan.py). benchproj, sweep,
 #   ablate (bench/ablate_kernel.py), host, probe (bench/probe_copies.py: the decode K/V stream alone, per copy form),
-#   sanitize and ncu run only when STEPS names them.
+#   sanitize, ncu and choice (bench/kernel_choice.py: what the default kernel="auto" picks against kernel and
+#   Inductor) run only when STEPS names them.
 #   OUT=<dir> [STEPS="gpu bench cpu models"] [SWEEP_SHAPES=t5_dec,...] [NCU_SHAPES="seed sdxl64"] bash bench/device_run.sh
 #   (wheels under .whl/ are installed first: carry diffusers there, the GPU machine lacks it)
 set -u
@@ -29,6 +30,7 @@ for step in $STEPS; do
     probe) timeout 150 python3 bench/probe_copies.py 2>&1 | tee "$OUT/probe_copies.log" | tail -30 ;;
     host) timeout 120 python3 bench/host_profile_plan.py > "$OUT/host_profile.log" 2>&1; head -30 "$OUT/host_profile.log" ;;
     bench) timeout 150 python3 bench/bench_block.py --form noproj --out "$OUT" 2>&1 | tee "$OUT/bench_block.log" | tail -12 ;;
+    choice) timeout ${CHOICE_TIMEOUT:-420} python3 bench/kernel_choice.py --out "$OUT" ${CHOICE_SHAPES:+--shapes $CHOICE_SHAPES} 2>&1 | tee "$OUT/kernel_choice.log" | tail -20 ;;
     benchproj) timeout 200 python3 bench/bench_block.py --form proj --out "$OUT" 2>&1 | tee "$OUT/bench_proj.log" | tail -12 ;;
     cpu) timeout 100 python3 -m pytest tests -q -m "not gpu" -n 8 -p no:cacheprovider 2>&1 | tee "$OUT/cpu_tests.log" | tail -4 ;;
     ncu) for shape in ${NCU_SHAPES:-seed}; do  # few_keys shapes; per unit = warp-heads, B * (Lq / 16) * H

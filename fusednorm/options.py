@@ -17,7 +17,8 @@ class Options:
     check_numerics: bool = False  # fused kernels flag NaN/Inf in their output and the op raises
     plan: str = "never"           # blocks with projections on CUDA: "never" (left to the compiler), "measure" (the
                                   # plan where it measured faster than the compiler), "always" (plans/choose.py)
-    kernel: str = "always"        # projection-free blocks on CUDA: "always" (the generated kernel), "measure" (the
+    kernel: str = "auto"          # projection-free blocks on CUDA: "auto" (the generated kernel where the block is
+                                  # memory-bound, else measured), "always" (the generated kernel), "measure" (the
                                   # kernel where it measured faster than the compiler; plans/choose.py)
     report: Any = None            # a fusednorm.report.Report to fill (used by fusednorm.explain)
 

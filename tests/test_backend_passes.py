@@ -127,7 +127,7 @@ def test_what_runs_on_cuda(monkeypatch):
     runs, reason = match_pass._what_runs(args, "layer")
     assert "fusednorm.codegen is not available" in reason
     monkeypatch.setattr(dispatch, "why_not_fast", lambda *a: None)
-    assert match_pass._what_runs(args, "layer") == ("generated CUDA kernel", None)
+    assert match_pass._what_runs(args, "layer", "never", "always") == ("generated CUDA kernel", None)
     assert match_pass._what_runs({**args, "wq": object()}, "layer", "always") == (
         "CUDA projection plan: the plan (option plan='always')", None)
     assert match_pass._what_runs({**args, "wq": object()}, "layer", "never") == (

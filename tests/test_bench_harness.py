@@ -254,3 +254,32 @@ def test_copy_probe_builds_every_copy_form_without_spills_and_sizes_shared_memor
             per_cta = smem + 1024
             if stages * probe.STAGE_BYTES * ctas < probe.SMEM_PER_SM - ctas * 1024:  # the stages leave room
                 assert ctas * per_cta <= probe.SMEM_PER_SM < (ctas + 1) * per_cta
+
+
+def test_kernel_choice_shapes_straddle_the_ridge_and_their_comments_say_their_intensity():
+    """bench/kernel_choice.py must time shapes on both sides of kernel="auto"'s ridge; each shape's comment gives
+    its FLOP/byte as fusednorm computes it."""
+    import re
+    import types
+
+    from fusednorm.plans import choose
+
+    kernel_choice = _load("kernel_choice", "kernel_choice.py")
+
+    def fake(*shape):
+        return types.SimpleNamespace(shape=shape, dtype=torch.bfloat16)
+
+    source = Path(kernel_choice.__file__).read_text()
+    intensity, commented = {}, 0
+    for name, (B, Lq, D, H, Lk) in kernel_choice.SHAPES.items():
+        d = D // H
+        intensity[name] = choose.flop_per_byte(dict(x=fake(B, Lq, D), k=fake(B, H, Lk, d), v=fake(B, H, Lk, d),
+                                                    mask=None))
+        said = re.search(rf'"{name}": \([^)]*\),\s*# (\d+)', source)
+        if said:
+            commented += 1
+            assert int(said.group(1)) == round(intensity[name]), name
+    assert commented == len(kernel_choice.SHAPES) - len(bb.NoProjForm.shapes)  # the added shapes say theirs
+    below = [n for n, i in intensity.items() if i <= choose.RIDGE_FLOP_PER_BYTE]
+    above = [n for n, i in intensity.items() if i > choose.RIDGE_FLOP_PER_BYTE]
+    assert len(below) >= 3 and len(above) >= 3, intensity

@@ -116,14 +116,13 @@ def test_the_unfused_block_is_the_op_in_eager_torch():
 
 
 def test_projection_free_blocks_run_the_kernel_unless_measuring_is_asked_for(measured):
-    """kernel='always' (the default) fuses without timing anything; kernel='measure' keeps the kernel only where it
-    measured faster than the compiler, and says so with the numbers."""
+    """kernel='always' fuses without timing anything; kernel='measure' keeps the kernel only where it measured
+    faster than the compiler, and says so with the numbers."""
     from fusednorm.options import Options
 
-    assert Options.from_dict({}).kernel == "always"
     free = args(wq=False, wo=False)
-    default = choose.decide(free, "layer", "always")
-    assert default.fused and default.reason == "the kernel (option kernel='always', the default)" and measured == []
+    always = choose.decide(free, "layer", "always")
+    assert always.fused and always.reason == "the kernel (option kernel='always')" and measured == []
     fast = choose.decide(free, "layer", "measure")
     assert fast.fused and "measured kernel 50.0 µs GPU, 30.0 µs host per call vs compiler 80.0 µs GPU" in fast.reason
     slow = choose.decide(args(Lq=65, wq=False, wo=False), "layer", "measure")
@@ -132,6 +131,38 @@ def test_projection_free_blocks_run_the_kernel_unless_measuring_is_asked_for(mea
         choose.decide(free, "layer", "never")  # rewrite=False is how nothing is fused
     with pytest.raises(ValueError, match="kernel='fast'"):
         Options.from_dict({"kernel": "fast"})
+
+
+def test_the_default_takes_the_kernel_where_the_block_is_memory_bound_and_times_it_elsewhere(measured):
+    """kernel='auto' (the default): a block with few FLOPs per byte moved runs the kernel untimed; a block whose
+    attention math outweighs its bytes (where the compiler's SDPA may be faster) is timed, and the reason says why."""
+    from fusednorm.options import Options
+
+    assert Options.from_dict({}).kernel == "auto"
+    few_keys = choose.decide(args(Lq=64, Lk=77, wq=False, wo=False), "layer", "auto")
+    assert few_keys.fused and "memory-bound, 35 FLOP/byte <= 192" in few_keys.reason and measured == []
+    long = choose.decide(args(Lq=1024, Lk=1024, wq=False, wo=False), "layer", "auto")
+    assert measured == [(2, 1024, 256)]
+    assert not long.fused and long.reason.startswith("left to the compiler: not faster (measured kernel 80.0")
+    assert long.reason.endswith("(512 FLOP/byte > 192)")
+    dynamic = args(wq=False, wo=False)
+    dynamic["x"] = fake(2, object(), 256)
+    choice = choose.decide(dynamic, "layer", "auto")
+    assert choice.fused and "dynamic shapes, not measured" in choice.reason and len(measured) == 1
+
+
+def test_flop_per_byte_counts_what_the_kernel_moves():
+    """QK^T and P V FLOPs over x read, y written, k, v and the mask, once each (bf16: 2 bytes an element)."""
+    def intensity(B, Lq, D, H, Lk, mask=None):
+        d = D // H
+        return choose.flop_per_byte(dict(x=fake(B, Lq, D), k=fake(B, H, Lk, d), v=fake(B, H, Lk, d), mask=mask))
+
+    assert intensity(32, 2048, 1024, 16, 77) == pytest.approx(2048 * 77 / (2048 + 77))    # the seed: 74
+    assert intensity(32, 2048, 1024, 16, 2048) == pytest.approx(1024)
+    assert intensity(64, 1, 1280, 20, 1500) < 1                                           # decode
+    with_mask = intensity(2, 64, 256, 4, 77, mask=fake(2, 1, 1, 77, dtype=torch.bool))
+    flops, nbytes = 4 * 2 * 64 * 77 * 256, 2 * (2 * 2 * 64 * 256 + 2 * 2 * 77 * 256) + 2 * 77
+    assert with_mask == pytest.approx(flops / nbytes)
 
 
 def test_the_kernel_is_judged_on_gpu_time_the_plan_also_on_host_time():

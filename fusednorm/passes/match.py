@@ -105,7 +105,7 @@ def _is_residual_add(node: torch.fx.Node) -> bool:
 
 
 def attempt(pattern: Pattern, anchor: torch.fx.Node, space: HintSpace,
-            order: dict[torch.fx.Node, int], plan: str = "never", kernel: str = "always") -> Candidate | Failure | None:
+            order: dict[torch.fx.Node, int], plan: str = "never", kernel: str = "auto") -> Candidate | Failure | None:
     """A checked candidate, the first reason the pattern's structural match failed, or None (no structure).
 
     ``order`` is each graph node's position (ancestor searches stop at the earliest node that matters); ``plan``
@@ -124,7 +124,7 @@ def attempt(pattern: Pattern, anchor: torch.fx.Node, space: HintSpace,
 
 
 def _check(pattern: Pattern, sm: StructuralMatch, space: HintSpace, order, plan: str,
-           kernel: str = "always") -> Candidate | Failure:
+           kernel: str = "auto") -> Candidate | Failure:
     roles = {role: sm.nodes.get(node) for role, node in pattern.roles.items()}
     inside = _inputs_from_inside(pattern, sm, order)
     if inside:
@@ -168,7 +168,7 @@ def _check_output(pattern: Pattern, args, anchor, space: HintSpace) -> None:
                            f"{tuple(y.shape)} {y.dtype} (its result has x's shape and dtype)")
 
 
-def _what_runs(args, norm, plan: str = "never", kernel: str = "always") -> tuple[str, str | None]:
+def _what_runs(args, norm, plan: str = "never", kernel: str = "auto") -> tuple[str, str | None]:
     """('reference' | 'generated CUDA kernel' | 'CUDA projection plan ...', why it is left to the compiler or None)."""
     x = args["x"]
     if x.device.type != "cuda":

@@ -12,10 +12,15 @@ is) pays that in full: timing the plan and the isolated block back-to-back, host
 once picked the plan for 10 UNet blocks and made the model 23 % slower (docs/PERF.md §3). GPU times come from
 CUDA-graph replay, so neither side's host cost leaks into them.
 
-``kernel="always"`` (the default: projection-free blocks run the generated kernel) or ``"measure"``, which times
-the kernel the same way and keeps it where it is faster on the GPU. GPU time alone decides: the kernel's host cost
-per call (~20-35 µs) is about that of the few launches the compiler's wrapper makes for the same block. Where the
-kernel is slower (2048 keys, or decode, on the H200: docs/PERF.md §1) the block stays with the compiler.
+``kernel="auto"`` (the default for projection-free blocks) takes the generated kernel without measuring where the
+block is memory-bound, and measures where it is not. Memory-bound means at most ``RIDGE_FLOP_PER_BYTE`` FLOPs
+(QK^T and P V) per byte the kernel must move (x read, y written, k, v, the mask): there the kernel wins by what
+it does not move (the compiler's block writes and reads the normed x and the attention output, ~5 more passes
+over x), and its math is not the bottleneck. Above it the block's time is the attention's math, where the
+compiler's SDPA kernel can be faster than the generated one (2048 keys on the H200: docs/PERF.md §1), so the two
+are timed. ``"always"`` takes the kernel everywhere; ``"measure"`` times every shape. GPU time alone decides: the
+kernel's host cost per call (~20-35 µs) is about that of the few launches the compiler's wrapper makes for the
+same block.
 
 The measurement runs in a worker thread: the backend is called inside Dynamo's compile, whose tracing context
 and fake mode are thread-local, so the nested Inductor compile of the reference block sees neither.
@@ -31,7 +36,8 @@ import torch
 import torch.nn.functional as F
 
 POLICIES = ("measure", "always", "never")
-KERNEL_POLICIES = ("always", "measure")
+KERNEL_POLICIES = ("auto", "always", "measure")
+RIDGE_FLOP_PER_BYTE = 192.0  # the H200's bf16 matmul rate over its copy bandwidth (~800 TFLOP/s / 4.2 TB/s)
 MARGIN = 0.97        # the plan must beat the compiler by 3 %: timing noise never flips a block to a slower path
 TIMEOUT_S = 600.0
 
@@ -75,19 +81,42 @@ def decide(args: dict, norm: str, policy: str) -> Choice:
     if policy not in allowed:
         raise ValueError(f"fusednorm: option {what}={policy!r}; expected one of {allowed}")
     if policy == "always":
-        default = ", the default" if what == "kernel" else ""
-        return Choice(True, f"the {what} (option {what}='always'{default})")
+        return Choice(True, f"the {what} (option {what}='always')")
     if policy == "never":
         return Choice(False, "left to the compiler (option plan='never', the default)")
     tensors = {n: args[n] for n in ("x", "k", "v", "gamma", "beta", "wq", "bq", "wo", "bo", "mask")}
-    if any(t is not None and not all(isinstance(s, int) for s in t.shape) for t in tensors.values()):
+    dynamic = any(t is not None and not all(isinstance(s, int) for s in t.shape) for t in tensors.values())
+    if policy == "auto":
+        intensity = None if dynamic else flop_per_byte(tensors)
+        if intensity is None:
+            return Choice(True, "the kernel (option kernel='auto', the default: dynamic shapes, not measured)")
+        if intensity <= RIDGE_FLOP_PER_BYTE:
+            return Choice(True, f"the kernel (option kernel='auto', the default: memory-bound, {intensity:.0f} "
+                                f"FLOP/byte <= {RIDGE_FLOP_PER_BYTE:.0f})")
+    if dynamic:
         return Choice(False, f"left to the compiler: dynamic shapes (the {what} is chosen by measuring a fixed shape)")
     key = _key(tensors, norm, args["scale"])
     with _lock:
         hit = _choices.get(key)
         if hit is None:
             hit = _choices[key] = _measure(tensors, norm, float(args["eps"]), args["scale"])
+    if policy == "auto":
+        return Choice(hit.fused, f"{hit.reason}; timed as option kernel='auto' does where the block is not "
+                                 f"memory-bound ({intensity:.0f} FLOP/byte > {RIDGE_FLOP_PER_BYTE:.0f})")
     return hit
+
+
+def flop_per_byte(tensors: dict) -> float:
+    """The projection-free block's arithmetic intensity as the generated kernel runs it: the FLOPs of QK^T and P V
+    over the bytes it reads and writes once (x, y, k, v, the mask; the norm's parameters are negligible)."""
+    x, k, v, mask = tensors["x"], tensors["k"], tensors["v"], tensors["mask"]
+    B, Lq, _ = x.shape
+    _, H, Lk, d = k.shape
+    flops = 4 * B * H * Lq * Lk * d
+    nbytes = (2 * math.prod(x.shape) + math.prod(k.shape) + math.prod(v.shape)) * x.dtype.itemsize
+    if mask is not None:
+        nbytes += math.prod(mask.shape) * mask.dtype.itemsize
+    return flops / nbytes
 
 
 def _key(tensors, norm, scale):
