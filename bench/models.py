@@ -1,6 +1,6 @@
 """Whole-model forward time: eager vs torch.compile (Inductor) vs torch.compile(backend="fusednorm"), one run.
 
-    python bench/models.py --out bench/out [--models whisper,t5,unet,torch] [--dtype bf16]
+    python bench/models.py --out bench/out [--models whisper,t5,unet,torch] [--dtype bf16] [--no-cudagraphs]
 
 Models are built from base-size configs with random weights (no downloads). For each: GPU time per forward of
 eager, Inductor and fusednorm, the number of blocks fusednorm fused, and the output difference of each compiled
@@ -10,6 +10,9 @@ Inductor, fusednorm, eager, ... for --rounds rounds), medians reported, two ways
     costs drop out, so these are reproducible and compare the GPU work);
   * "call": one ordinary forward between CUDA events behind a short GPU spin (host costs included where the host
     cannot keep the GPU busy, which is what a user without CUDA graphs sees).
+With CUDA graphs in the compile (unless --no-cudagraphs), three more variants give what a user of them sees, by
+"call" time: Inductor with mode="reduce-overhead", fusednorm with options cudagraphs=True and plan="measure" (the
+plan judged on GPU time alone), and the same with every block on the plan.
 A variant that cannot be captured gets its call time only, with the reason recorded. A model whose library
 (transformers, diffusers) is missing is skipped with a message. Writes models.json under --out and prints a
 markdown table last.
@@ -26,6 +29,7 @@ import time
 import torch
 
 import fusednorm
+from fusednorm.plans.weights import GraphWeights
 from fusednorm.report import Report
 
 
@@ -83,7 +87,8 @@ SPIN_US = 50  # GPU spin before each timed forward: the GPU is busy while the ho
 
 
 def capture_graph(fn):
-    """A CUDA graph holding one call of ``fn``, warmed up on a side stream first as capture requires."""
+    """A CUDA graph holding one call of ``fn``, warmed up on a side stream first as capture requires. The plan's
+    folded weights are held for the graph (as option cudagraphs does), not folded again in every replay."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -91,7 +96,7 @@ def capture_graph(fn):
             fn()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with GraphWeights().capture(), torch.cuda.graph(graph):
         fn()
     torch.cuda.synchronize()
     return graph
@@ -128,26 +133,38 @@ def rel_l2(a, b):
     return ((a - b).norm() / b.norm()).item()
 
 
-def bench_one(name, device, dtype, rounds=20):
+def variants(reports, cudagraphs=True):
+    """(label, backend, torch.compile keywords) of every compiled variant. "fusednorm": the backend as shipped;
+    "fusednorm_measure": each projection block measured, plan or Inductor, whichever is faster (plan="measure");
+    "fusednorm_plan": every matched block forced onto the plan (plan="always"); the "_cg" variants replay CUDA
+    graphs (Inductor's mode="reduce-overhead", fusednorm's option cudagraphs)."""
+    out = [("inductor", "inductor", {}),
+           ("fusednorm", "fusednorm", {"options": {"report": reports["fusednorm"]}}),
+           ("fusednorm_measure", "fusednorm", {"options": {"report": reports["measure"], "plan": "measure"}}),
+           ("fusednorm_plan", "fusednorm", {"options": {"report": reports["plan"], "plan": "always"}})]
+    if cudagraphs:
+        out += [("inductor_cg", "inductor", {"mode": "reduce-overhead"}),
+                ("fusednorm_measure_cg", "fusednorm",
+                 {"options": {"report": reports["measure_cg"], "plan": "measure", "cudagraphs": True}}),
+                ("fusednorm_plan_cg", "fusednorm", {"options": {"plan": "always", "cudagraphs": True}})]
+    return out
+
+
+def bench_one(name, device, dtype, rounds=20, cudagraphs=True):
     title, model, inputs, pick = MODELS[name](device, dtype)
     row = {"model": name, "title": title}
     torch._dynamo.reset()
+    torch._dynamo.config.recompile_limit = 64  # one cache entry per variant for each frame of the model
     with torch.no_grad():
         ref = pick(model(**inputs)).float()
         fns = {"eager": lambda: model(**inputs)}
         # both compiled models wrap the same module; Dynamo keeps one cache entry per backend, so no reset between
-        report, measured, forced = Report(), Report(), Report()
-        # "fusednorm": the backend as shipped; "fusednorm_measure": each projection block measured, plan or
-        # Inductor, whichever is faster (option plan="measure"); "fusednorm_plan": every matched block forced
-        # onto the plan (option plan="always")
-        for label, backend, kw in (("inductor", "inductor", {}),
-                                   ("fusednorm", "fusednorm", {"options": {"report": report}}),
-                                   ("fusednorm_measure", "fusednorm",
-                                    {"options": {"report": measured, "plan": "measure"}}),
-                                   ("fusednorm_plan", "fusednorm", {"options": {"report": forced, "plan": "always"}})):
+        reports = {key: Report() for key in ("fusednorm", "measure", "plan", "measure_cg")}
+        report, measured, forced = reports["fusednorm"], reports["measure"], reports["plan"]
+        for label, backend, kw in variants(reports, cudagraphs):
             compiled = torch.compile(model, backend=backend, **kw)
             t0 = time.time()
-            out = pick(compiled(**inputs)).float()
+            out = pick(compiled(**inputs)).float()  # (a CUDA-graph variant's output is read before its next call)
             row[f"{label}_compile_s"] = round(time.time() - t0, 1)
             row[f"{label}_rel_l2_vs_eager"] = rel_l2(out, ref)
             fns[label] = lambda compiled=compiled: compiled(**inputs)
@@ -158,10 +175,17 @@ def bench_one(name, device, dtype, rounds=20):
         row["measure_plan_blocks"] = len(measured.matches)
         row["measure_choices"] = sorted({m.runs for m in measured.matches} |
                                         {n.reason for n in measured.near_misses if "measured" in n.reason})
+        if cudagraphs:
+            graphs = reports["measure_cg"]
+            row["measure_cg_plan_blocks"] = len(graphs.matches)
+            row["measure_cg_choices"] = sorted({m.runs for m in graphs.matches} |
+                                               {n.reason for n in graphs.near_misses if "measured" in n.reason})
         for label, ms in gpu_time_ms(fns, rounds=rounds).items():
             row[f"{label}_ms"] = ms
         replays = {}
         for label, fn in fns.items():
+            if label.endswith("_cg"):
+                continue  # already replays CUDA graphs: its call time is the figure
             try:
                 replays[label] = capture_graph(fn).replay
             except Exception as e:  # noqa: BLE001 - e.g. a host sync inside the forward: call time only
@@ -173,7 +197,7 @@ def bench_one(name, device, dtype, rounds=20):
     return row
 
 
-def run_models(names, device, dtype, rounds=20, save=None):
+def run_models(names, device, dtype, rounds=20, save=None, cudagraphs=True):
     """One row per model; a missing library skips its model, any other failure is recorded, and the rest run.
     ``save(rows)`` runs after each model, so a run cut short by a time limit keeps the models it finished."""
     rows = []
@@ -184,7 +208,7 @@ def run_models(names, device, dtype, rounds=20, save=None):
             print(f"skipping {name}: {rows[-1]['skipped']}", flush=True)
             continue
         try:
-            rows.append(bench_one(name, device, dtype, rounds))
+            rows.append(bench_one(name, device, dtype, rounds, cudagraphs))
         except Exception as e:  # one model's failure is reported, the others still run
             rows.append({"model": name, "error": f"{type(e).__name__}: {e}"})
             print(json.dumps(rows[-1]), flush=True)
@@ -202,6 +226,8 @@ def main():
     p.add_argument("--models", default=",".join(MODELS))
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
     p.add_argument("--rounds", type=int, default=20, help="timed forwards per variant (interleaved)")
+    p.add_argument("--cudagraphs", action=argparse.BooleanOptionalAction, default=True,
+                   help="also time the variants that replay CUDA graphs")
     args = p.parse_args()
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     unknown = [n for n in args.models.split(",") if n not in MODELS]
@@ -215,7 +241,7 @@ def main():
         with open(os.path.join(args.out, "models.json"), "w") as f:
             json.dump({"meta": meta, "rows": rows}, f, indent=1)
 
-    rows = run_models(args.models.split(","), "cuda", dtype, args.rounds, save)
+    rows = run_models(args.models.split(","), "cuda", dtype, args.rounds, save, args.cudagraphs)
     print(f"\n{meta}\n")
     print("GPU ms from CUDA-graph replay (call ms: one ordinary forward, host costs included)\n")
     print("| model | eager | Inductor | fusednorm | vs Inductor | fused blocks | rel L2 (fusednorm vs eager) "
@@ -239,6 +265,16 @@ def main():
               f"{r['fused_blocks']} | {r['fusednorm_rel_l2_vs_eager']:.2e} | {ms('fusednorm_plan')}, "
               f"{r['plan_blocks']}, {r['fusednorm_plan_rel_l2_vs_eager']:.2e} | {ms('fusednorm_measure')}, "
               f"{r['measure_plan_blocks']} |")
+    cg = [r for r in rows if "inductor_cg_ms" in r]
+    if cg:
+        print("\nWith CUDA graphs, call ms (one ordinary forward that replays them)\n")
+        print("| model | Inductor reduce-overhead | fusednorm cudagraphs, plan measured: ms, blocks on the plan | "
+              "fusednorm cudagraphs, all on the plan | rel L2 (all on the plan vs eager) |")
+        print("|---|---|---|---|---|")
+        for r in cg:
+            print(f"| {r['title']} | {r['inductor_cg_ms']:.2f} | {r['fusednorm_measure_cg_ms']:.2f}, "
+                  f"{r['measure_cg_plan_blocks']} | {r['fusednorm_plan_cg_ms']:.2f} | "
+                  f"{r['fusednorm_plan_cg_rel_l2_vs_eager']:.2e} |")
 
 
 if __name__ == "__main__":

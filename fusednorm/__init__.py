@@ -8,6 +8,7 @@ from .warn import FusedNormWarning
 from .backend import register as _register_backend
 from .explain import ExplainError, explain
 from .patterns.registry import register_pattern, unregister_pattern
+from .plans.weights import GraphWeights
 
 _register_backend()
 
@@ -20,5 +21,6 @@ __all__ = [
     "ExplainError",
     "register_pattern",
     "unregister_pattern",
+    "GraphWeights",
 ]
 __version__ = "0.1.0"

@@ -43,7 +43,10 @@ def rewrite(gm: torch.fx.GraphModule, example_inputs, opts: Options, report: Rep
 
 
 def fusednorm_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | None = None, **kwargs):
-    """torch.compile(model, backend="fusednorm", options={"compiler": "inductor"|"eager", "rewrite": bool, ...})."""
+    """torch.compile(model, backend="fusednorm", options={"compiler": "inductor"|"eager", "rewrite": bool, ...}).
+
+    With ``options={"cudagraphs": True}`` the compiled graph is replayed as CUDA graphs: Inductor's cudagraph trees
+    (as mode="reduce-overhead" would), or Dynamo's cudagraphs backend with compiler="eager"."""
     global last_report
     if kwargs:
         raise TypeError(f"fusednorm: unexpected backend arguments {sorted(kwargs)}; pass options={{...}}")
@@ -53,11 +56,41 @@ def fusednorm_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | 
         last_report = report
     if opts.rewrite:
         gm = rewrite(gm, example_inputs, opts, report)
-    if opts.compiler == "eager":
+    # CUDA graphs only where there is a CUDA tensor to capture (on the CPU torch would only warn that it skipped them)
+    graphs = opts.cudagraphs and any(isinstance(t, torch.Tensor) and t.is_cuda for t in example_inputs)
+    if opts.compiler == "eager" and not graphs:
         return gm.forward
-    from torch._inductor.compile_fx import compile_fx
+    if opts.compiler == "eager":
+        from torch._dynamo.backends.cudagraphs import cudagraphs
 
-    return compile_fx(gm, example_inputs)
+        compiled = cudagraphs(gm, example_inputs)   # Dynamo's "cudagraphs" backend: the graph run eagerly, captured
+    else:
+        from torch._inductor.compile_fx import compile_fx
+
+        compiled = compile_fx(gm, example_inputs, config_patches={"triton.cudagraphs": True} if graphs else None)
+    return _holding_folded_weights(compiled) if graphs and _fused_nodes(gm) else compiled
+
+
+def _fused_nodes(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
+    return [n for n in gm.graph.nodes if n.op == "call_function" and str(n.target).startswith("fusednorm.")]
+
+
+def _holding_folded_weights(compiled):
+    """``compiled`` (whose CUDA graphs capture fused blocks) with the plan's folded weights held for its graphs and
+    folded again, in place, before every call whose weights changed since (an optimizer step, load_state_dict):
+    a replay does not run the op's Python, so it could not see the change itself (plans/weights.py)."""
+    from .plans.weights import GraphWeights
+
+    held = GraphWeights()
+
+    def run(*args):
+        held.refresh()
+        with held.capture():
+            return compiled(*args)
+
+    run._boxed_call = getattr(compiled, "_boxed_call", False)  # Dynamo hands a boxed function its inputs as a list
+    run.held_weights = held
+    return run
 
 
 def register() -> None:

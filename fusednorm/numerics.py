@@ -15,6 +15,21 @@ def numerics_error(where: str) -> FusedNormNumericsError:
     )
 
 
+def skipped_while_capturing(t: torch.Tensor) -> bool:
+    """True (with a one-time warning) when a CUDA graph is being captured: the check's host read cannot be."""
+    from .graph_memory import capturing
+
+    if not capturing(t):
+        return False
+    from .warn import warn_once
+
+    warn_once("fusednorm: check_numerics cannot read its flag while a CUDA graph is being captured; "
+              "the check is skipped for captured calls")
+    return True
+
+
 def raise_if_not_finite(y: torch.Tensor) -> None:
+    if skipped_while_capturing(y):
+        return
     if not bool(torch.isfinite(y).all()):
         raise numerics_error("reference path")

@@ -20,6 +20,9 @@ class Options:
     kernel: str = "auto"          # projection-free blocks on CUDA: "auto" (the generated kernel where the block is
                                   # memory-bound, else measured), "always" (the generated kernel), "measure" (the
                                   # kernel where it measured faster than the compiler; plans/choose.py)
+    cudagraphs: bool = False      # replay each compiled graph as CUDA graphs (Inductor's cudagraph trees, what
+                                  # mode="reduce-overhead" does): no host cost per call; the plan is then chosen
+                                  # on GPU time alone. CUDA graphs' rules apply (static shapes, outputs reused)
     report: Any = None            # a fusednorm.report.Report to fill (used by fusednorm.explain)
 
     @classmethod
@@ -38,6 +41,13 @@ class Options:
             raise ValueError(f"fusednorm: option kernel={opts.kernel!r}; expected one of {KERNEL_POLICIES}")
         if opts.compiler not in COMPILERS:
             raise ValueError(f"fusednorm: option compiler={opts.compiler!r}; expected one of {COMPILERS}")
+        for name in ("rewrite", "check_numerics", "cudagraphs"):
+            if not isinstance(getattr(opts, name), bool):
+                raise ValueError(f"fusednorm: option {name}={getattr(opts, name)!r}; expected True or False")
+        if opts.cudagraphs and opts.check_numerics:
+            raise ValueError("fusednorm: options cudagraphs=True and check_numerics=True do not go together: the "
+                             "numerics check reads a flag on the host after every call, which a replayed CUDA graph "
+                             "cannot do; drop one of them")
         if opts.dump_dir is None and os.environ.get("FUSEDNORM_DUMP"):
             opts.dump_dir = os.environ["FUSEDNORM_DUMP"]
         return opts

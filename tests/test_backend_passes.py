@@ -134,12 +134,16 @@ def test_what_runs_on_cuda(monkeypatch):
         "left to the compiler", "left to the compiler (option plan='never', the default)")
     from fusednorm.plans import choose
 
-    monkeypatch.setattr(choose, "decide", lambda a, norm, policy: choose.Choice(policy == "measure" and a["k"] == 1,
-                                                                                 f"measured {a['k']}"))
+    def decide(a, norm, policy, host_time_counts):
+        return choose.Choice(policy == "measure" and a["k"] == 1, f"measured {a['k']}, host {host_time_counts}")
+
+    monkeypatch.setattr(choose, "decide", decide)
     assert match_pass._what_runs({**args, "k": 1}, "layer", "never", "measure") == (
-        "generated CUDA kernel: measured 1", None)
+        "generated CUDA kernel: measured 1, host True", None)
+    assert match_pass._what_runs({**args, "k": 1, "wq": object()}, "layer", "measure", cudagraphs=True) == (
+        "CUDA projection plan: measured 1, host False", None)  # replayed as CUDA graphs: host time does not count
     assert match_pass._what_runs({**args, "k": 2}, "layer", "never", "measure") == (
-        "left to the compiler", "measured 2")
+        "left to the compiler", "measured 2, host True")
     assert match_pass._what_runs({**args, "x": types.SimpleNamespace(device=torch.device("cpu"))},
                                  "layer") == ("reference", None)
 
@@ -156,7 +160,7 @@ class Block(nn.Module):
 
 
 def test_a_block_without_a_fast_path_is_left_to_the_compiler(fusion, monkeypatch):
-    monkeypatch.setattr(match_pass, "_what_runs", lambda args, norm, plan, kernel: (
+    monkeypatch.setattr(match_pass, "_what_runs", lambda args, norm, plan, kernel, cudagraphs: (
         "left to the compiler", "no fused CUDA kernel/plan for this block: no kernel for d=8"))
     model = Block().eval()
     x, c = torch.randn(2, 3, 16), torch.randn(2, 5, 16)

@@ -283,3 +283,23 @@ def test_kernel_choice_shapes_straddle_the_ridge_and_their_comments_say_their_in
     below = [n for n, i in intensity.items() if i <= choose.RIDGE_FLOP_PER_BYTE]
     above = [n for n, i in intensity.items() if i > choose.RIDGE_FLOP_PER_BYTE]
     assert len(below) >= 3 and len(above) >= 3, intensity
+
+
+def test_models_cuda_graph_variants_use_valid_options():
+    """The three CUDA-graph variants (Inductor's reduce-overhead, fusednorm's option cudagraphs, measured and
+    forced) are there unless switched off, and their options pass the backend's checks."""
+    from fusednorm.options import Options
+    from fusednorm.report import Report
+
+    models = _load("bench_models", "models.py")
+    reports = {key: Report() for key in ("fusednorm", "measure", "plan", "measure_cg")}
+    kws = {label: kw for label, _, kw in models.variants(reports)}
+    assert {"inductor_cg", "fusednorm_measure_cg", "fusednorm_plan_cg"} <= set(kws)
+    assert kws["inductor_cg"] == {"mode": "reduce-overhead"}
+    assert kws["fusednorm_measure_cg"]["options"]["report"] is reports["measure_cg"]
+    for kw in kws.values():
+        if "options" in kw:
+            Options.from_dict(kw["options"])
+    assert all(opts.cudagraphs for label, kw in kws.items() if label.startswith("fusednorm") and label.endswith("_cg")
+               for opts in [Options.from_dict(kw["options"])])
+    assert not any(label.endswith("_cg") for label, _, _ in models.variants(reports, cudagraphs=False))

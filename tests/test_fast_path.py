@@ -394,6 +394,14 @@ def test_a_repeated_plan_signature_skips_the_checks_and_the_stage_planning(gpu):
     torch.testing.assert_close(y.float(), expected, atol=3e-2, rtol=2e-2)
 
 
+def _folded_u(w, t):
+    return plans.weights.fold_weights("layer", t["gamma"], t["beta"], w["wq"], w["bq"], w["wo"], w["bo"], BF16).u
+
+
+def _u_from(w, t):
+    return (w["wq"].float() * t["gamma"].float()).to(BF16).float().sum(1)
+
+
 def test_a_weight_updated_in_place_is_folded_again_on_a_hit(gpu):
     t, w = plan_inputs()
     run_plan_op(t, w)
@@ -403,7 +411,37 @@ def test_a_weight_updated_in_place_is_folded_again_on_a_hit(gpu):
     run_plan_op(t, w)
     assert gpu.checks == 1 and len(gpu.launches) == 3
     first, second, third = gpu.launches
-    assert second.pointers[9:] == first.pointers[9:] and third.pointers[9:] != second.pointers[9:]
+    # the same buffers (a captured graph reads them by address), folded again from the new Wq
+    assert first.pointers[9:] == second.pointers[9:] == third.pointers[9:]
+    torch.testing.assert_close(_folded_u(w, t), _u_from(w, t))
+
+
+def test_a_captured_plan_folds_inside_the_graph_unless_its_weights_are_held(gpu, monkeypatch):
+    """A capture records kernels without running them: an unheld capture records the fold itself (every replay
+    folds the weights it reads); one under GraphWeights.capture() reads the kept buffers and refresh() keeps them
+    current."""
+    t, w = plan_inputs()
+    run_plan_op(t, w)  # eager: the weights are folded and kept
+    kept = gpu.launches[-1].pointers[9:]
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    run_plan_op(t, w)
+    assert gpu.launches[-1].pointers[9:] != kept  # recorded fold: buffers of the capture's own
+    held = plans.weights.GraphWeights()
+    with held.capture():
+        run_plan_op(t, w)
+    assert gpu.launches[-1].pointers[9:] == kept and len(held) == 1
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    with torch.no_grad():
+        w["wq"].mul_(2)  # between replays: the op does not run, refresh() re-folds in place
+    held.refresh()
+    entry = next(iter(held._held.values()))[0]
+    torch.testing.assert_close(entry.folded.u, _u_from(w, t))
+    with torch.no_grad():
+        w["wq"].mul_(2)
+    with held.capture():  # a later capture after an update that nothing refreshed: the fold is recorded
+        monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+        run_plan_op(t, w)
+    assert gpu.launches[-1].pointers[9:] != kept
 
 
 @pytest.mark.parametrize("change", ["no bias", "wq strides", "bo dtype", "mask"])

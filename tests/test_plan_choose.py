@@ -32,12 +32,12 @@ def measured(monkeypatch):
     def measure(tensors, norm, eps, scale):
         calls.append(tuple(tensors["x"].shape))
         fused_us, compiler_us = (50.0, 80.0) if tensors["x"].shape[1] == 64 else (80.0, 79.0)
-        return choose._verdict(fused_us, 30.0, compiler_us, what=choose._fused_op(tensors))
+        return fused_us, 30.0, compiler_us
 
     monkeypatch.setattr(choose, "_measure", measure)
     monkeypatch.setattr(choose, "_key", lambda tensors, norm, scale: (norm, scale, tuple(
         None if t is None else tuple(t.shape) for t in tensors.values())))
-    monkeypatch.setattr(choose, "_choices", {})
+    monkeypatch.setattr(choose, "_timings", {})
     return calls
 
 
@@ -96,8 +96,10 @@ def test_a_failed_measurement_leaves_the_block_to_the_compiler(monkeypatch):
         raise RuntimeError("out of memory")
 
     monkeypatch.setattr(choose, "_time_both", broken)
-    choice = choose._measure({}, "layer", 1e-5, None)
-    assert not choice.fused and "could not be measured (RuntimeError: out of memory)" in choice.reason
+    monkeypatch.setattr(choose, "_key", lambda tensors, norm, scale: "broken")
+    monkeypatch.setattr(choose, "_timings", {})
+    choice = choose.decide(args(), "layer", "measure")
+    assert not choice.fused and "plan could not be measured (RuntimeError: out of memory)" in choice.reason
 
 
 def test_the_unfused_block_is_the_op_in_eager_torch():
@@ -171,3 +173,18 @@ def test_the_kernel_is_judged_on_gpu_time_the_plan_also_on_host_time():
     assert choose._verdict(40.0, 180.0, 80.0, what="kernel").fused
     assert not choose._verdict(40.0, 180.0, 80.0, what="plan").fused
     assert not choose._verdict(79.0, 10.0, 80.0, what="kernel").fused  # inside the noise margin
+
+
+def test_replayed_as_cuda_graphs_the_plan_is_judged_on_gpu_time_alone(monkeypatch):
+    """Option cudagraphs: the plan's host cost is paid once at capture, so a plan faster on the GPU is taken even
+    where its host time per call exceeds the compiler's GPU time; one measurement serves both settings."""
+    calls = []
+    monkeypatch.setattr(choose, "_measure", lambda *a: calls.append(a) or (40.0, 180.0, 80.0))
+    monkeypatch.setattr(choose, "_key", lambda tensors, norm, scale: "one shape")
+    monkeypatch.setattr(choose, "_timings", {})
+    with_host = choose.decide(args(), "layer", "measure")
+    graphs = choose.decide(args(), "layer", "measure", host_time_counts=False)
+    assert not with_host.fused and "180.0 µs host per call" in with_host.reason
+    assert graphs.fused and "host time not counted: replayed as CUDA graphs (option cudagraphs)" in graphs.reason
+    assert len(calls) == 1
+    assert not choose._verdict(79.0, 10.0, 80.0, what="plan", host_time_counts=False).fused  # noise margin

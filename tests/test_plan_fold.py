@@ -64,16 +64,41 @@ def test_fold_error_in_bf16_stays_within_twice_eager(mean):
     assert err(got) <= 2 * err(eager), (err(got), err(eager))
 
 
-def test_folded_weights_follow_in_place_updates():
+def test_folded_weights_follow_in_place_updates_in_the_same_buffers():
+    """A captured CUDA graph reads the folded buffers by address: an update re-folds into them, it does not move."""
     torch.manual_seed(3)
     w = _weights(torch.float32)
     first = fold_weights("layer", *w.values(), torch.float32)
+    buffers = [t.data_ptr() for t in first.tensors()]
+    before = first.wq.clone()
     assert fold_weights("layer", *w.values(), torch.float32) is first  # cached
     with torch.no_grad():
         w["gamma"].mul_(2.0)   # an optimizer step or load_state_dict bumps the version counter
+        w["bo"].add_(1.0)
     second = fold_weights("layer", *w.values(), torch.float32)
-    assert second is not first
-    assert torch.allclose(second.wq, 2 * first.wq)
+    assert second is first and [t.data_ptr() for t in second.tensors()] == buffers
+    assert torch.allclose(second.wq, 2 * before)
+    Dq = w["wo"].shape[1]
+    assert torch.equal(second.wo[:, Dq], w["bo"])
+
+
+def test_folded_buffers_are_copies_unless_the_fold_is_the_weight_itself():
+    """Kept buffers never share memory with a temporary of the fold; Wo without bo is used as it is."""
+    torch.manual_seed(6)
+    w = _weights(torch.float32, bo=False)
+    folded = fold_weights("layer", *w.values(), torch.float32)
+    assert folded.wo is w["wo"]
+    assert folded.wq.data_ptr() != w["wq"].data_ptr() and torch.equal(folded.wq, w["wq"] * w["gamma"])
+
+
+def test_inference_tensors_are_folded_every_call():
+    """Inference tensors carry no version counter, so a cached fold could go stale unseen: nothing is cached."""
+    with torch.inference_mode():
+        w = _weights(torch.float32)
+        first = fold_weights("layer", *w.values(), torch.float32)
+        w["gamma"].mul_(2.0)
+        second = fold_weights("layer", *w.values(), torch.float32)
+    assert second is not first and torch.allclose(second.wq, 2 * first.wq)
 
 
 def test_new_views_of_the_same_weights_hit_the_cache():
@@ -93,6 +118,18 @@ def test_freed_weights_memory_reused_by_new_weights_is_folded_again():
         got = fold_weights("layer", *w.values(), torch.float32)
         assert torch.equal(got.wq, w["wq"] * w["gamma"]), "stale folded weights"
         del w, got  # the next round's weights may land in the same memory
+
+
+def test_entries_of_freed_weights_are_dropped_when_the_next_is_made():
+    """Weights computed inside a graph are new tensors on every call: their entries must not pile up."""
+    from fusednorm.plans import weights
+
+    torch.manual_seed(7)
+    for _ in range(3):
+        fold_weights("layer", *_weights(torch.float32).values(), torch.float32)  # freed right after
+    live = _weights(torch.float32)
+    fold_weights("layer", *live.values(), torch.float32)
+    assert not any(entry.expired() for entry in weights._cache.values())
 
 
 def test_plan_without_wq_folds_only_the_out_projection():

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import graph_memory as _graph_memory
 from . import cache as _cache
 from . import launch as _launch
 from . import select as _select
@@ -301,8 +302,11 @@ def launch_call(call: CallPlan, x, k, v, gamma, beta, mask, stage: StageIO | Non
     flag = None
     if call.check_numerics:
         flag = _flags.get(device_index)
-        if flag is None:
-            flag = _flags[device_index] = torch.zeros(1, dtype=torch.int32, device=x.device)
+        if flag is None and _graph_memory.capturing(x):
+            flag = torch.zeros(1, dtype=torch.int32, device=x.device)  # the capture's own (a graph pool's memory)
+        elif flag is None:
+            flag = _flags[device_index] = _graph_memory.kept_copies([torch.zeros(1, dtype=torch.int32,
+                                                                                 device=x.device)])[0]
     pointers = (x.data_ptr(), y.data_ptr(), k.data_ptr(), v.data_ptr(),
                 gamma.data_ptr() if gamma is not None else 0, beta.data_ptr() if beta is not None else 0,
                 mask.data_ptr() if mask is not None else 0, flag.data_ptr() if flag is not None else 0,
@@ -355,14 +359,10 @@ def _stage_pointers(stage: StageIO | None) -> tuple:
 
 
 def _raise_if_flagged(flag: torch.Tensor, key: str) -> None:
-    if torch.cuda.is_current_stream_capturing():
-        from ..warn import warn_once
+    from ..numerics import numerics_error, skipped_while_capturing
 
-        warn_once("fusednorm: check_numerics cannot read its flag while a CUDA graph is being captured; "
-                  "the check is skipped for captured calls")
+    if skipped_while_capturing(flag):
         return
     if int(flag.item()) != 0:  # .item() waits for the stream
         flag.zero_()
-        from ..numerics import numerics_error
-
         raise numerics_error(f"generated kernel {key}")

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import torch.fx
 
+from ..options import Options
 from ..patterns.binding import OP_ARGS, BindingError, Derived, check_op_args, resolve
 from ..patterns.hints import HintSpace
 from ..patterns.matcher import StructuralMatch, check_shapes, foreign_users, match_at
@@ -60,7 +61,7 @@ def run(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:
         for pattern in patterns:
             if not pattern.targets <= near:  # an op the pattern needs is not within its reach of this add
                 continue
-            result = attempt(pattern, anchor, space, order, ctx.options.plan, ctx.options.kernel)
+            result = attempt(pattern, anchor, space, order, ctx.options)
             if isinstance(result, Candidate):
                 candidates.append(result)
             elif isinstance(result, Failure):
@@ -105,16 +106,16 @@ def _is_residual_add(node: torch.fx.Node) -> bool:
 
 
 def attempt(pattern: Pattern, anchor: torch.fx.Node, space: HintSpace,
-            order: dict[torch.fx.Node, int], plan: str = "never", kernel: str = "auto") -> Candidate | Failure | None:
+            order: dict[torch.fx.Node, int], options: Options | None = None) -> Candidate | Failure | None:
     """A checked candidate, the first reason the pattern's structural match failed, or None (no structure).
 
-    ``order`` is each graph node's position (ancestor searches stop at the earliest node that matters); ``plan``
-    and ``kernel`` the backend's options (plans/choose.py) for blocks on CUDA with and without projections.
+    ``order`` is each graph node's position (ancestor searches stop at the earliest node that matters); of the
+    backend's ``options``, plan, kernel and cudagraphs decide whether a block on CUDA is fused (plans/choose.py).
     """
     first_failure = None
     try:
         for sm in match_at(pattern.graph, pattern.meta_exprs, anchor):
-            result = _check(pattern, sm, space, order, plan, kernel)
+            result = _check(pattern, sm, space, order, options or Options())
             if isinstance(result, Candidate):
                 return result
             first_failure = first_failure or result
@@ -123,8 +124,7 @@ def attempt(pattern: Pattern, anchor: torch.fx.Node, space: HintSpace,
     return first_failure
 
 
-def _check(pattern: Pattern, sm: StructuralMatch, space: HintSpace, order, plan: str,
-           kernel: str = "auto") -> Candidate | Failure:
+def _check(pattern: Pattern, sm: StructuralMatch, space: HintSpace, order, options: Options) -> Candidate | Failure:
     roles = {role: sm.nodes.get(node) for role, node in pattern.roles.items()}
     inside = _inputs_from_inside(pattern, sm, order)
     if inside:
@@ -150,7 +150,7 @@ def _check(pattern: Pattern, sm: StructuralMatch, space: HintSpace, order, plan:
         if verdict is not True:
             return Failure(pattern.name, verdict if isinstance(verdict, str) and verdict
                            else "the pattern's check refused the match", roles, 4)
-    runs, no_kernel = _what_runs(args, pattern.norm, plan, kernel)
+    runs, no_kernel = _what_runs(args, pattern.norm, options.plan, options.kernel, options.cudagraphs)
     if no_kernel:
         return Failure(pattern.name, no_kernel, roles, 5)
     return Candidate(pattern, sm.anchor, dict(sm.values), sm.owned, roles, args, runs)
@@ -168,7 +168,8 @@ def _check_output(pattern: Pattern, args, anchor, space: HintSpace) -> None:
                            f"{tuple(y.shape)} {y.dtype} (its result has x's shape and dtype)")
 
 
-def _what_runs(args, norm, plan: str = "never", kernel: str = "auto") -> tuple[str, str | None]:
+def _what_runs(args, norm, plan: str = "never", kernel: str = "auto",
+               cudagraphs: bool = False) -> tuple[str, str | None]:
     """('reference' | 'generated CUDA kernel' | 'CUDA projection plan ...', why it is left to the compiler or None)."""
     x = args["x"]
     if x.device.type != "cuda":
@@ -189,7 +190,7 @@ def _what_runs(args, norm, plan: str = "never", kernel: str = "auto") -> tuple[s
         return "generated CUDA kernel", None
     from ..plans.choose import decide
 
-    choice = decide(args, norm, kernel if projection_free else plan)
+    choice = decide(args, norm, kernel if projection_free else plan, host_time_counts=not cudagraphs)
     if not choice.fused:
         return "left to the compiler", choice.reason
     if projection_free:

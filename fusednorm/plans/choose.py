@@ -10,7 +10,8 @@ Python and cuBLAS launches cost host time of their own (dispatch.run_cuda_cached
 small: ~120 µs per call on the H200 host, 180-290 before it). A model that is host-bound (an SD-1.5 UNet at batch 2
 is) pays that in full: timing the plan and the isolated block back-to-back, host costs on both sides included,
 once picked the plan for 10 UNet blocks and made the model 23 % slower (docs/PERF.md §3). GPU times come from
-CUDA-graph replay, so neither side's host cost leaks into them.
+CUDA-graph replay, so neither side's host cost leaks into them. With option ``cudagraphs`` the model replays CUDA
+graphs, the plan's host cost is paid once at capture, and GPU time alone decides (one measurement serves both).
 
 ``kernel="auto"`` (the default for projection-free blocks) takes the generated kernel without measuring where the
 block is memory-bound, and measures where it is not. Memory-bound means at most ``RIDGE_FLOP_PER_BYTE`` FLOPs
@@ -48,7 +49,7 @@ class Choice:
     reason: str       # in words, for the report: what was measured or why nothing was
 
 
-_choices: dict[tuple, Choice] = {}
+_timings: dict[tuple, tuple | str] = {}   # per block shape: (fused GPU, fused host, compiler GPU) µs, or why not
 _lock = threading.Lock()
 
 
@@ -73,9 +74,11 @@ def _fused_op(args: dict) -> str:
     return "kernel" if args.get("wq") is None and args.get("wo") is None else "plan"
 
 
-def decide(args: dict, norm: str, policy: str) -> Choice:
+def decide(args: dict, norm: str, policy: str, host_time_counts: bool = True) -> Choice:
     """The fused op or the compiler for one matched block; ``args`` are the op's arguments as fakes or metadata,
-    ``policy`` the plan option for a block with projections, the kernel option for one without."""
+    ``policy`` the plan option for a block with projections, the kernel option for one without.
+    ``host_time_counts=False`` when the compiled graph is replayed as CUDA graphs (option cudagraphs): the plan's
+    host cost is then paid once, at capture, and GPU time alone decides."""
     what = _fused_op(args)
     allowed = KERNEL_POLICIES if what == "kernel" else POLICIES
     if policy not in allowed:
@@ -97,9 +100,13 @@ def decide(args: dict, norm: str, policy: str) -> Choice:
         return Choice(False, f"left to the compiler: dynamic shapes (the {what} is chosen by measuring a fixed shape)")
     key = _key(tensors, norm, args["scale"])
     with _lock:
-        hit = _choices.get(key)
-        if hit is None:
-            hit = _choices[key] = _measure(tensors, norm, float(args["eps"]), args["scale"])
+        timed = _timings.get(key)
+        if timed is None:
+            timed = _timings[key] = _measure(tensors, norm, float(args["eps"]), args["scale"])
+    if isinstance(timed, str):
+        hit = Choice(False, f"left to the compiler: the {what} could not be measured ({timed[:200]})")
+    else:
+        hit = _verdict(*timed, what=what, host_time_counts=host_time_counts)
     if policy == "auto":
         return Choice(hit.fused, f"{hit.reason}; timed as option kernel='auto' does where the block is not "
                                  f"memory-bound ({intensity:.0f} FLOP/byte > {RIDGE_FLOP_PER_BYTE:.0f})")
@@ -128,7 +135,8 @@ def _key(tensors, norm, scale):
     return (torch.cuda.get_device_name(device), norm, scale, tuple(sig(t) for t in tensors.values()))
 
 
-def _measure(tensors, norm, eps, scale) -> Choice:
+def _measure(tensors, norm, eps, scale) -> tuple | str:
+    """(fused GPU µs, fused host µs, compiler GPU µs), or why they could not be measured."""
     result: dict = {}
 
     def work():
@@ -140,19 +148,18 @@ def _measure(tensors, norm, eps, scale) -> Choice:
     worker = threading.Thread(target=work, name="fusednorm-plan-measure", daemon=True)
     worker.start()
     worker.join(TIMEOUT_S)
-    what = _fused_op(tensors)
-    if "times" not in result:
-        why = result.get("error", f"no result within {TIMEOUT_S:.0f} s")
-        return Choice(False, f"left to the compiler: the {what} could not be measured ({why[:200]})")
-    return _verdict(*result["times"], what=what)
+    return result.get("times") or result.get("error", f"no result within {TIMEOUT_S:.0f} s")
 
 
-def _verdict(fused_us: float, fused_host_us: float, compiler_us: float, what: str = "plan") -> Choice:
+def _verdict(fused_us: float, fused_host_us: float, compiler_us: float, what: str = "plan",
+             host_time_counts: bool = True) -> Choice:
     """The plan must beat the compiler on GPU time and on host time per call (see the module's docstring), the
-    kernel on GPU time."""
+    kernel, or the plan replayed as CUDA graphs, on GPU time."""
     measured = (f"measured {what} {fused_us:.1f} µs GPU, {fused_host_us:.1f} µs host per call vs compiler "
                 f"{compiler_us:.1f} µs GPU")
-    cost = fused_us if what == "kernel" else max(fused_us, fused_host_us)
+    if what == "plan" and not host_time_counts:
+        measured += "; host time not counted: replayed as CUDA graphs (option cudagraphs)"
+    cost = max(fused_us, fused_host_us) if what == "plan" and host_time_counts else fused_us
     if cost < MARGIN * compiler_us:
         return Choice(True, f"the {what} ({measured})")
     return Choice(False, f"left to the compiler: not faster ({measured})")
@@ -176,7 +183,10 @@ def _time_both(tensors, norm, eps, scale) -> tuple[float, float, float]:
         compiled = torch._inductor.compile(make_fx(block)(*inputs), inputs)
         op_args = [real[n] for n in tensors] + [norm, eps, scale]
         plan = lambda: torch.ops.fusednorm.pre_norm_cross_attn(*op_args)  # noqa: E731 - as a compiled graph calls it
-        plan_us = _graph_us(plan)
+        from .weights import GraphWeights
+
+        with GraphWeights().capture():  # the folded weights read from their kept buffers, as in a model's graphs
+            plan_us = _graph_us(plan)
         plan_host_us = _host_us(plan)
         compiler_us = _graph_us(lambda: compiled(*inputs))
     return plan_us, plan_host_us, compiler_us

@@ -4,10 +4,12 @@ Every projection variant (Wq and Wo each with or without its bias, Wq alone, Wo 
 no / bool / additive mask, fp16 and bf16; fresh random inputs, outputs poisoned before launch. The error is
 taken on the block's update y - x (the residual would hide it) and must stay within 2x eager PyTorch's error in
 the same dtype. Also: activations whose mean is large against their spread (where folding the norm into Wq
-cancels), weights updated in place, and the compiled model taking the plan.
+cancels), weights updated in place (also between replays of a captured CUDA graph), and the compiled model taking
+the plan, also replayed as CUDA graphs (option cudagraphs).
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 
 import pytest
@@ -21,6 +23,7 @@ if not torch.cuda.is_available():
 import fusednorm  # noqa: E402
 from fusednorm import codegen  # noqa: E402
 from fusednorm.codegen import launch  # noqa: E402
+from fusednorm.plans import weights  # noqa: E402
 from fusednorm.plans.choose import unfused_block  # noqa: E402
 from fusednorm.reference import reference_pre_norm_cross_attn  # noqa: E402
 from fusednorm.report import Report  # noqa: E402
@@ -107,6 +110,53 @@ def test_weights_updated_in_place_are_seen():
     check(t, "layer")  # the folded copies are rebuilt from the new versions
 
 
+@pytest.mark.parametrize("held", [False, True])
+def test_a_captured_plan_follows_weights_updated_in_place_between_replays(held):
+    """A replay runs no Python. Unheld, the capture records the fold itself; under GraphWeights.capture() it reads
+    the kept folded buffers, which refresh() folds again in place. Either way the replay uses the new weights."""
+    gen = torch.Generator(device=DEV).manual_seed(11)
+    t = make(torch.bfloat16, "full", "layer", "bool", gen=gen)
+    keep = weights.GraphWeights()
+    graph = torch.cuda.CUDAGraph()
+    with keep.capture() if held else contextlib.nullcontext():
+        OP(*t.values(), "layer", 1e-5)  # warm-up: compiles, plans, folds and keeps the weights
+        torch.cuda.synchronize()
+        with torch.cuda.graph(graph):
+            y = OP(*t.values(), "layer", 1e-5)
+    assert len(keep) == (1 if held else 0)
+    for _ in range(2):
+        with torch.no_grad():
+            t["wq"].mul_(-1.5)
+            t["gamma"].add_(0.25)
+            t["bo"].add_(0.5)
+            t["x"].copy_(torch.randn(t["x"].shape, device=DEV, generator=gen))
+        keep.refresh()
+        y.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        err = update_error(y, t, "layer", 1e-5)
+        err_eager = update_error(unfused_block(**t, norm="layer", eps=1e-5, scale=None), t, "layer", 1e-5)
+        assert err <= 2 * err_eager + 1e-6, f"replay error {err:.3e} > 2x eager error {err_eager:.3e}"
+
+
+def test_kept_folded_weights_never_come_from_a_graph_pool():
+    """A CUDA-graph warm-up routes its thread's allocations to the graph's private pool, which may hand that memory
+    to a later recording: the folded weights kept across calls must be allocated outside it."""
+    t = make(torch.bfloat16, "full", "layer", "none")
+    pool = torch.cuda.MemPool()
+    with torch.cuda.use_mem_pool(pool):
+        folded = weights.fold_weights("layer", t["gamma"], t["beta"], t["wq"], t["bq"], t["wo"], t["bo"],
+                                      torch.bfloat16)
+        control = torch.empty(4096, device=DEV)  # an ordinary allocation here lands in the pool
+    segments = [(seg["address"], seg["address"] + seg["total_size"]) for seg in pool.snapshot()]
+
+    def in_pool(tensor):
+        return any(lo <= tensor.data_ptr() < hi for lo, hi in segments)
+
+    assert in_pool(control)
+    assert not any(in_pool(kept) for kept in folded.tensors() if kept is not None)
+
+
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_a_repeated_signature_takes_the_cached_launch_with_new_values(variant):
     """The second and third calls share the first one's signature (dispatch.call_key): they skip the checks and
@@ -162,3 +212,33 @@ def test_by_default_blocks_with_projections_stay_with_the_compiler():
     _, report = compile_and_run(layer, inputs)  # no plan option
     assert report.matches == [] and launch.launch_count == before
     assert any("plan='never'" in n.reason for n in report.near_misses)
+
+
+@pytest.mark.parametrize("compiler", ["inductor", "eager"])
+def test_compiled_with_cudagraphs_the_plan_is_replayed_and_follows_weight_updates(compiler):
+    """options={"cudagraphs": True}: the graph is captured (no cudagraph skips) with the plan in it, replays take
+    fresh inputs, and an in-place update of the block's weights between calls reaches the replay."""
+    from torch._dynamo.utils import counters
+    from torch._inductor import cudagraph_trees
+
+    torch.manual_seed(0)
+    layer, (tgt, memory) = decoder_layer(2, 64)
+    report = Report()
+    compiled = torch.compile(layer, backend="fusednorm", options={
+        "report": report, "plan": "always", "cudagraphs": True, "compiler": compiler})
+    counters.clear()
+    with torch.no_grad():
+        for step in range(5):  # warm-up, record, replays
+            if step == 3:
+                layer.multihead_attn.in_proj_weight.mul_(0.5)   # its first D rows are the block's Wq
+                layer.norm2.weight.add_(0.3)                   # the block's norm: folded into Wq
+                layer.multihead_attn.out_proj.bias.add_(0.2)
+            tgt, memory = torch.randn_like(tgt), torch.randn_like(memory)
+            want = layer(tgt, memory)
+            got = compiled(tgt, memory)
+            rel = ((got.double() - want.double()).norm() / want.double().norm()).item()
+            assert torch.isfinite(got).all() and rel < 2e-2, f"call {step}: relative error {rel:.3e}"
+    assert len(report.matches) == 1 and report.matches[0].runs.startswith("CUDA projection plan")
+    assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
+    manager = cudagraph_trees.get_manager(torch.cuda.current_device(), create_if_none_exists=False)
+    assert manager is not None and manager.roots, "nothing was recorded as a CUDA graph"
