@@ -67,7 +67,10 @@ def fusednorm_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | 
     else:
         from torch._inductor.compile_fx import compile_fx
 
-        compiled = compile_fx(gm, example_inputs, config_patches={"triton.cudagraphs": True} if graphs else None)
+        patches = {k: v for k, v in (opts.inductor or {}).items() if k != "triton.cudagraphs"}  # that one: `graphs`
+        if graphs:
+            patches["triton.cudagraphs"] = True
+        compiled = compile_fx(gm, example_inputs, config_patches=patches or None)
     return _holding_folded_weights(compiled) if graphs and _fused_nodes(gm) else compiled
 
 

@@ -23,6 +23,8 @@ class Options:
     cudagraphs: bool = False      # replay each compiled graph as CUDA graphs (Inductor's cudagraph trees, what
                                   # mode="reduce-overhead" does): no host cost per call; the plan is then chosen
                                   # on GPU time alone. CUDA graphs' rules apply (static shapes, outputs reused)
+    inductor: dict | None = None  # Inductor config for the rest of the graph, as torch.compile(options=...) takes it
+                                  # for the inductor backend, e.g. {"max_autotune": True}
     report: Any = None            # a fusednorm.report.Report to fill (used by fusednorm.explain)
 
     @classmethod
@@ -41,6 +43,8 @@ class Options:
             raise ValueError(f"fusednorm: option kernel={opts.kernel!r}; expected one of {KERNEL_POLICIES}")
         if opts.compiler not in COMPILERS:
             raise ValueError(f"fusednorm: option compiler={opts.compiler!r}; expected one of {COMPILERS}")
+        if opts.inductor is not None:
+            _check_inductor(opts)
         for name in ("rewrite", "check_numerics", "cudagraphs"):
             if not isinstance(getattr(opts, name), bool):
                 raise ValueError(f"fusednorm: option {name}={getattr(opts, name)!r}; expected True or False")
@@ -51,3 +55,20 @@ class Options:
         if opts.dump_dir is None and os.environ.get("FUSEDNORM_DUMP"):
             opts.dump_dir = os.environ["FUSEDNORM_DUMP"]
         return opts
+
+
+def _check_inductor(opts: Options) -> None:
+    """The inductor option: a dict of known Inductor config keys, only with compiler="inductor"; its
+    "triton.cudagraphs" is the cudagraphs option (so that the plan's weights are held for the graphs too)."""
+    from torch._inductor import config as inductor_config
+
+    if not isinstance(opts.inductor, dict):
+        raise ValueError(f"fusednorm: option inductor={opts.inductor!r}; expected a dict of Inductor config values")
+    if opts.compiler != "inductor":
+        raise ValueError(f"fusednorm: option inductor applies to compiler='inductor', not {opts.compiler!r}")
+    unknown = sorted(set(opts.inductor) - set(inductor_config.get_config_copy()))
+    if unknown:
+        raise ValueError(f"fusednorm: option inductor: unknown Inductor config key(s) {unknown} "
+                         "(torch._inductor.config lists them)")
+    if opts.inductor.get("triton.cudagraphs"):
+        opts.cudagraphs = True

@@ -1,5 +1,5 @@
-"""Option cudagraphs on the CPU: what the backend asks of Inductor, the folded weights it holds for the graphs, and
-the refusals. (The capture itself runs in tests/gpu/test_plan_gpu.py.)"""
+"""Options cudagraphs and inductor on the CPU: what the backend asks of Inductor, the folded weights it holds for
+the graphs, and the refusals. (The capture itself runs in tests/gpu/test_plan_gpu.py.)"""
 from __future__ import annotations
 
 import pytest
@@ -98,3 +98,20 @@ def test_a_cpu_model_compiled_with_the_option_runs_as_without_it():
     compiled = torch.compile(model, backend="fusednorm", options={"cudagraphs": True})
     torch.testing.assert_close(compiled(x, ctx), model(x, ctx), rtol=1e-5, atol=1e-5)
     assert fusednorm.backend.last_report.matches, "the block was not matched"
+
+
+def test_inductor_config_reaches_compile_fx_and_is_checked(compile_fx_calls):
+    """What torch.compile's mode= and options= give the inductor backend, for the rest of the graph."""
+    fusednorm_backend(_graph(False), _cuda_fakes(1), options={"rewrite": False, "inductor": {"max_autotune": True}})
+    fusednorm_backend(_graph(False), _cuda_fakes(1), options={
+        "rewrite": False, "inductor": {"max_autotune": True, "triton.cudagraphs": True}})  # = cudagraphs=True
+    fusednorm_backend(_graph(False), [torch.randn(1)], options={
+        "rewrite": False, "inductor": {"triton.cudagraphs": True}})  # CPU inputs: nothing to capture
+    assert compile_fx_calls == [{"max_autotune": True}, {"max_autotune": True, "triton.cudagraphs": True}, None]
+    assert Options.from_dict({"inductor": {"triton.cudagraphs": True}}).cudagraphs is True
+    with pytest.raises(ValueError, match=r"unknown Inductor config key\(s\) \['max_autotone'\]"):
+        Options.from_dict({"inductor": {"max_autotone": True}})
+    with pytest.raises(ValueError, match="option inductor applies to compiler='inductor', not 'eager'"):
+        Options.from_dict({"inductor": {"max_autotune": True}, "compiler": "eager"})
+    with pytest.raises(ValueError, match="expected a dict"):
+        Options.from_dict({"inductor": "max-autotune"})
