@@ -8,6 +8,7 @@
 #   sanitize, ncu and choice (bench/kernel_choice.py: what the default kernel="auto" picks against kernel and
 #   Inductor) run only when STEPS names them.
 #   OUT=<dir> [STEPS="gpu bench cpu models"] [SWEEP_SHAPES=t5_dec,...] [NCU_SHAPES="seed sdxl64"] bash bench/device_run.sh
+#   (models: MODELS=t5,torch MODEL_VARIANTS=inductor,fusednorm_plan,inductor_cg,fusednorm_plan_cg MODELS_TIMEOUT=...)
 #   (wheels under .whl/ are installed first: carry diffusers there, the GPU machine lacks it)
 set -u
 OUT=${OUT:-bench/out}
@@ -46,6 +47,6 @@ for step in $STEPS; do
         python3 bench/sass_profile.py "$OUT/${shape}_sass.csv" --per $per > "$OUT/${shape}_sass_summary.txt"
         head -30 "$OUT/${shape}_sass_summary.txt"
       done ;;
-    models) timeout ${MODELS_TIMEOUT:-330} python3 bench/models.py --out "$OUT" --models ${MODELS:-torch,whisper,t5,unet} 2>&1 | tee "$OUT/models.log" | tail -8 ;;
+    models) timeout ${MODELS_TIMEOUT:-330} python3 bench/models.py --out "$OUT" --models ${MODELS:-torch,whisper,t5,unet} ${MODEL_VARIANTS:+--variants $MODEL_VARIANTS} 2>&1 | tee "$OUT/models.log" | tail -8 ;;
   esac
 done

@@ -1,6 +1,7 @@
 """Whole-model forward time: eager vs torch.compile (Inductor) vs torch.compile(backend="fusednorm"), one run.
 
     python bench/models.py --out bench/out [--models whisper,t5,unet,torch] [--dtype bf16] [--no-cudagraphs]
+                           [--variants inductor,fusednorm_plan,inductor_cg,fusednorm_plan_cg]
 
 Models are built from base-size configs with random weights (no downloads). For each: GPU time per forward of
 eager, Inductor and fusednorm, the number of blocks fusednorm fused, and the output difference of each compiled
@@ -133,7 +134,7 @@ def rel_l2(a, b):
     return ((a - b).norm() / b.norm()).item()
 
 
-def variants(reports, cudagraphs=True):
+def variants(reports, cudagraphs=True, only=None):
     """(label, backend, torch.compile keywords) of every compiled variant. "fusednorm": the backend as shipped;
     "fusednorm_measure": each projection block measured, plan or Inductor, whichever is faster (plan="measure");
     "fusednorm_plan": every matched block forced onto the plan (plan="always"); the "_cg" variants replay CUDA
@@ -147,10 +148,10 @@ def variants(reports, cudagraphs=True):
                 ("fusednorm_measure_cg", "fusednorm",
                  {"options": {"report": reports["measure_cg"], "plan": "measure", "cudagraphs": True}}),
                 ("fusednorm_plan_cg", "fusednorm", {"options": {"plan": "always", "cudagraphs": True}})]
-    return out
+    return [v for v in out if only is None or v[0] in only]
 
 
-def bench_one(name, device, dtype, rounds=20, cudagraphs=True):
+def bench_one(name, device, dtype, rounds=20, cudagraphs=True, only=None):
     title, model, inputs, pick = MODELS[name](device, dtype)
     row = {"model": name, "title": title}
     torch._dynamo.reset()
@@ -161,13 +162,14 @@ def bench_one(name, device, dtype, rounds=20, cudagraphs=True):
         # both compiled models wrap the same module; Dynamo keeps one cache entry per backend, so no reset between
         reports = {key: Report() for key in ("fusednorm", "measure", "plan", "measure_cg")}
         report, measured, forced = reports["fusednorm"], reports["measure"], reports["plan"]
-        for label, backend, kw in variants(reports, cudagraphs):
+        for label, backend, kw in variants(reports, cudagraphs, only):
             compiled = torch.compile(model, backend=backend, **kw)
             t0 = time.time()
             out = pick(compiled(**inputs)).float()  # (a CUDA-graph variant's output is read before its next call)
             row[f"{label}_compile_s"] = round(time.time() - t0, 1)
             row[f"{label}_rel_l2_vs_eager"] = rel_l2(out, ref)
             fns[label] = lambda compiled=compiled: compiled(**inputs)
+        row["variants"] = sorted(fns)
         row["fused_blocks"] = len(report.matches)
         row["not_fused"] = sorted({n.reason for n in report.near_misses})
         row["runs"] = sorted({m.runs for m in report.matches})
@@ -175,7 +177,7 @@ def bench_one(name, device, dtype, rounds=20, cudagraphs=True):
         row["measure_plan_blocks"] = len(measured.matches)
         row["measure_choices"] = sorted({m.runs for m in measured.matches} |
                                         {n.reason for n in measured.near_misses if "measured" in n.reason})
-        if cudagraphs:
+        if "fusednorm_measure_cg" in fns:
             graphs = reports["measure_cg"]
             row["measure_cg_plan_blocks"] = len(graphs.matches)
             row["measure_cg_choices"] = sorted({m.runs for m in graphs.matches} |
@@ -197,7 +199,7 @@ def bench_one(name, device, dtype, rounds=20, cudagraphs=True):
     return row
 
 
-def run_models(names, device, dtype, rounds=20, save=None, cudagraphs=True):
+def run_models(names, device, dtype, rounds=20, save=None, cudagraphs=True, only=None):
     """One row per model; a missing library skips its model, any other failure is recorded, and the rest run.
     ``save(rows)`` runs after each model, so a run cut short by a time limit keeps the models it finished."""
     rows = []
@@ -208,7 +210,7 @@ def run_models(names, device, dtype, rounds=20, save=None, cudagraphs=True):
             print(f"skipping {name}: {rows[-1]['skipped']}", flush=True)
             continue
         try:
-            rows.append(bench_one(name, device, dtype, rounds, cudagraphs))
+            rows.append(bench_one(name, device, dtype, rounds, cudagraphs, only))
         except Exception as e:  # one model's failure is reported, the others still run
             rows.append({"model": name, "error": f"{type(e).__name__}: {e}"})
             print(json.dumps(rows[-1]), flush=True)
@@ -228,6 +230,8 @@ def main():
     p.add_argument("--rounds", type=int, default=20, help="timed forwards per variant (interleaved)")
     p.add_argument("--cudagraphs", action=argparse.BooleanOptionalAction, default=True,
                    help="also time the variants that replay CUDA graphs")
+    p.add_argument("--variants", default=None,
+                   help="only these compiled variants (comma-separated labels; eager always runs)")
     args = p.parse_args()
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     unknown = [n for n in args.models.split(",") if n not in MODELS]
@@ -241,7 +245,16 @@ def main():
         with open(os.path.join(args.out, "models.json"), "w") as f:
             json.dump({"meta": meta, "rows": rows}, f, indent=1)
 
-    rows = run_models(args.models.split(","), "cuda", dtype, args.rounds, save, args.cudagraphs)
+    only = set(args.variants.split(",")) if args.variants else None
+    known = {label for label, _, _ in variants({k: None for k in ("fusednorm", "measure", "plan", "measure_cg")})}
+    if only and only - known:
+        p.error(f"unknown variant(s) {', '.join(sorted(only - known))}; known: {', '.join(sorted(known))}")
+    rows = run_models(args.models.split(","), "cuda", dtype, args.rounds, save, args.cudagraphs, only)
+    print_tables(meta, rows)
+
+
+def print_tables(meta, rows):
+    """The markdown tables of a run; a variant the run left out reads "—"."""
     print(f"\n{meta}\n")
     print("GPU ms from CUDA-graph replay (call ms: one ordinary forward, host costs included)\n")
     print("| model | eager | Inductor | fusednorm | vs Inductor | fused blocks | rel L2 (fusednorm vs eager) "
@@ -253,28 +266,41 @@ def main():
             print(f"| {r['model']} | {why} | | | | | | | |")
             continue
         def ms(label):
+            if f"{label}_ms" not in r:
+                return "—"
             graph = r.get(f"{label}_graph_ms")
             return (f"{graph:.2f} (call {r[f'{label}_ms']:.2f})" if graph is not None
-                    else f"call {r[f'{label}_ms']:.2f} (no graph)")
+                    else f"call {r[f'{label}_ms']:.2f}" + ("" if label.endswith("_cg") else " (no graph)"))
 
         def best(label):
-            return r.get(f"{label}_graph_ms", r[f"{label}_ms"])
+            return r.get(f"{label}_graph_ms", r.get(f"{label}_ms"))
 
-        speed = best("inductor") / best("fusednorm")
-        print(f"| {r['title']} | {ms('eager')} | {ms('inductor')} | {ms('fusednorm')} | {speed:.2f}x | "
-              f"{r['fused_blocks']} | {r['fusednorm_rel_l2_vs_eager']:.2e} | {ms('fusednorm_plan')}, "
-              f"{r['plan_blocks']}, {r['fusednorm_plan_rel_l2_vs_eager']:.2e} | {ms('fusednorm_measure')}, "
+        speed = (f"{best('inductor') / best('fusednorm'):.2f}x" if best("inductor") and best("fusednorm")
+                 else "—")
+        print(f"| {r['title']} | {ms('eager')} | {ms('inductor')} | {ms('fusednorm')} | {speed} | "
+              f"{r['fused_blocks']} | {rel_of(r, 'fusednorm')} | {ms('fusednorm_plan')}, "
+              f"{r['plan_blocks']}, {rel_of(r, 'fusednorm_plan')} | {ms('fusednorm_measure')}, "
               f"{r['measure_plan_blocks']} |")
-    cg = [r for r in rows if "inductor_cg_ms" in r]
+    cg = [r for r in rows if any(k.endswith("_cg_ms") for k in r)]
     if cg:
         print("\nWith CUDA graphs, call ms (one ordinary forward that replays them)\n")
         print("| model | Inductor reduce-overhead | fusednorm cudagraphs, plan measured: ms, blocks on the plan | "
               "fusednorm cudagraphs, all on the plan | rel L2 (all on the plan vs eager) |")
         print("|---|---|---|---|---|")
         for r in cg:
-            print(f"| {r['title']} | {r['inductor_cg_ms']:.2f} | {r['fusednorm_measure_cg_ms']:.2f}, "
-                  f"{r['measure_cg_plan_blocks']} | {r['fusednorm_plan_cg_ms']:.2f} | "
-                  f"{r['fusednorm_plan_cg_rel_l2_vs_eager']:.2e} |")
+            print(f"| {r['title']} | {ms_of(r, 'inductor_cg')} | {ms_of(r, 'fusednorm_measure_cg')}, "
+                  f"{r.get('measure_cg_plan_blocks', '—')} | {ms_of(r, 'fusednorm_plan_cg')} | "
+                  f"{rel_of(r, 'fusednorm_plan_cg')} |")
+
+
+def ms_of(r, label):
+    value = r.get(f"{label}_ms")
+    return "—" if value is None else f"{value:.2f}"
+
+
+def rel_of(r, label):
+    value = r.get(f"{label}_rel_l2_vs_eager")
+    return "—" if value is None else f"{value:.2e}"
 
 
 if __name__ == "__main__":

@@ -303,3 +303,16 @@ def test_models_cuda_graph_variants_use_valid_options():
     assert all(opts.cudagraphs for label, kw in kws.items() if label.startswith("fusednorm") and label.endswith("_cg")
                for opts in [Options.from_dict(kw["options"])])
     assert not any(label.endswith("_cg") for label, _, _ in models.variants(reports, cudagraphs=False))
+
+
+def test_models_tables_print_a_run_that_left_variants_out(capsys):
+    """--variants: the tables read "—" where a variant did not run, instead of failing at the end of a long run."""
+    models = _load("bench_models", "models.py")
+    row = {"model": "t5", "title": "T5", "eager_ms": 6.0, "eager_graph_ms": 5.0, "inductor_ms": 5.5,
+           "inductor_graph_ms": 5.1, "inductor_cg_ms": 5.2, "fusednorm_plan_cg_ms": 4.8,
+           "fusednorm_plan_cg_rel_l2_vs_eager": 1e-2, "fused_blocks": 0, "plan_blocks": 12, "measure_plan_blocks": 0}
+    models.print_tables({"device": "test"}, [row, {"model": "unet", "skipped": "needs diffusers"}])
+    out = capsys.readouterr().out
+    assert "| T5 | 5.00 (call 6.00) | 5.10 (call 5.50) | — | — |" in out
+    assert "| T5 | 5.20 | —, — | 4.80 | 1.00e-02 |" in out
+    assert "| unet | skipped: needs diffusers |" in out
