@@ -56,8 +56,7 @@ def fusednorm_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | 
         last_report = report
     if opts.rewrite:
         gm = rewrite(gm, example_inputs, opts, report)
-    # CUDA graphs only where there is a CUDA tensor to capture (on the CPU torch would only warn that it skipped them)
-    graphs = opts.cudagraphs and any(isinstance(t, torch.Tensor) and t.is_cuda for t in example_inputs)
+    graphs = opts.cudagraphs and _has_cuda_input(example_inputs)
     if opts.compiler == "eager" and not graphs:
         return gm.forward
     if opts.compiler == "eager":
@@ -72,6 +71,11 @@ def fusednorm_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | 
             patches["triton.cudagraphs"] = True
         compiled = compile_fx(gm, example_inputs, config_patches=patches or None)
     return _holding_folded_weights(compiled) if graphs and _fused_nodes(gm) else compiled
+
+
+def _has_cuda_input(example_inputs) -> bool:
+    """CUDA graphs only where there is a CUDA tensor to capture (on the CPU torch would only warn it skipped them)."""
+    return any(isinstance(t, torch.Tensor) and t.is_cuda for t in example_inputs)
 
 
 def _fused_nodes(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:

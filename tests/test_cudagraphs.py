@@ -115,3 +115,23 @@ def test_inductor_config_reaches_compile_fx_and_is_checked(compile_fx_calls):
         Options.from_dict({"inductor": {"max_autotune": True}, "compiler": "eager"})
     with pytest.raises(ValueError, match="expected a dict"):
         Options.from_dict({"inductor": "max-autotune"})
+
+
+def test_dynamo_calls_the_holding_wrapper_as_it_called_the_compiled_graph(monkeypatch):
+    """The wrapper keeps Dynamo's calling convention (boxed) and the result: here Inductor is asked for CUDA graphs
+    on a CPU model (it skips them), so the wrapper around its output runs under a real torch.compile."""
+    import fusednorm.backend as backend
+
+    monkeypatch.setattr(backend, "_has_cuda_input", lambda example_inputs: True)
+    wrapped = []
+    real_wrap = backend._holding_folded_weights
+    monkeypatch.setattr(backend, "_holding_folded_weights", lambda c: wrapped.append(real_wrap(c)) or wrapped[-1])
+    refreshed = []
+    monkeypatch.setattr(weights.GraphWeights, "refresh", lambda self: refreshed.append(self))
+    torch.manual_seed(0)
+    model = CrossBlock()
+    compiled = torch.compile(model, backend="fusednorm", options={"cudagraphs": True})
+    for _ in range(2):
+        x, ctx = inputs()
+        torch.testing.assert_close(compiled(x, ctx), model(x, ctx), rtol=1e-5, atol=1e-5)
+    assert len(wrapped) == 1 and refreshed == [wrapped[0].held_weights] * 2
