@@ -156,6 +156,19 @@ def test_rewrite_off_and_on():
     assert (off.fused(0), on.fused(0)) == (0, 1)
 
 
+def test_under_autocast_the_mixed_dtype_block_is_left_alone_and_the_reason_says_why(fusion):
+    """Autocast runs the norm in float32 and the projections and attention in bfloat16: the block's tensors mix
+    dtypes, which the op refuses; the model still runs as under eager autocast, and the report says what to do."""
+    model = CrossBlock().eval()
+    x, context = inputs()
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        want = model(x, context)
+        got = fusion.compile(model)(x, context)
+    assert fusion.fused == 0 and torch.equal(got, want)
+    assert "k has dtype torch.bfloat16 but x has torch.float32 (under torch.autocast" in fusion.reasons()
+    assert "model.to(torch.bfloat16)" in fusion.reasons()
+
+
 def test_sm_count_and_check_numerics_reach_the_op():
     backend = CountingBackend(sm_count=3, check_numerics=True)
     torch.compile(CrossBlock().eval(), backend=backend)(*inputs())

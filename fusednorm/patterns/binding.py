@@ -102,6 +102,9 @@ def check_op_args(args: dict[str, Any], norm: str) -> None:
         reason = str(e).replace("fusednorm.pre_norm_cross_attn: ", "")
         if reason.startswith("mask"):
             reason = f"mask shape not supported: {reason}"
+        elif "dtype" in reason and torch.is_autocast_enabled(args["x"].device.type):
+            reason += (" (under torch.autocast the block mixes float32 and 16-bit activations, which the fused op "
+                       "does not take; a model cast to one dtype, e.g. model.to(torch.bfloat16), is fused)")
         raise BindingError(reason) from e
 
 
