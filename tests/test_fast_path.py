@@ -53,8 +53,8 @@ class FakeGPU:
                                              maps=maps))
         if self.fill is not None:  # the output lives in host memory here: write it as the kernel would
             ctypes.memmove(pointers[1], self.fill.data_ptr(), self.fill.numel() * self.fill.element_size())
-        if self.set_flag:
-            codegen._flags[kernel.device_index].fill_(1)
+        if self.set_flag and pointers[7]:  # the kernel writes the flag it was handed
+            ctypes.memmove(pointers[7], ctypes.byref(ctypes.c_int32(1)), 4)
 
 
 def _fake_cuda_like(t):
@@ -318,6 +318,24 @@ def test_check_numerics_on_a_hit(gpu):
     fused(**t, check_numerics=True)  # the flag was reset: quiet again
     fused(**t)  # off: no flag pointer
     assert gpu.launches[-1].pointers[7] == 0
+
+
+def test_check_numerics_under_a_capture_warns_once_and_keeps_no_flag_of_the_capture(gpu, monkeypatch):
+    """A capture cannot read the flag: the check is skipped with a warning, and a flag first made during a capture
+    (in the graph's memory) is not kept for later calls; the reference path's check skips alike."""
+    from fusednorm import numerics, warn
+
+    monkeypatch.setattr(warn, "_said", set())
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    t = inputs()
+    gpu.set_flag = True  # the (fake) kernel flags: a check that ran would raise
+    with pytest.warns(fusednorm.FusedNormWarning, match="check_numerics cannot read its flag"):
+        fused(**t, check_numerics=True)
+    assert codegen._flags == {} and gpu.launches[-1].pointers[7] != 0
+    numerics.raise_if_not_finite(torch.full((2,), float("nan")))  # skipped too (the warning was given)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    with pytest.raises(fusednorm.FusedNormNumericsError):
+        numerics.raise_if_not_finite(torch.full((2,), float("nan")))
 
 
 def test_a_call_needing_grad_keeps_the_autograd_path(gpu):
