@@ -118,18 +118,17 @@ _CACHE_LIMIT = 64
 def fold_weights(norm, gamma, beta, wq, bq, wo, bo, dtype) -> FoldedWeights:
     """The folded weights: the cached buffers, folded again in place when a weight changed (see the module doc).
 
-    The key is each weight's storage (its StorageImpl, held by a weak reference so that it cannot be freed and
-    reused while the entry exists), data pointer, shape and strides: a compiled graph may hand the op a new view
-    object of the same parameter on every call (still a hit), while a freed weight's memory reused by another
-    tensor comes with a new storage (a miss).
+    The key is each weight's data pointer, shape and strides: a compiled graph may hand the op a new view object
+    of the same parameter on every call (still a hit). Two live storages never share an address, and the entry
+    holds weak references to the storages it was made from: once one is freed (its memory may then be reused by
+    another tensor at the same address) the entry is dropped and the weights are folded again.
     """
     sources = (gamma, beta, wq, bq, wo, bo)
     present = [t for t in sources if t is not None]
     if any(t.is_inference() for t in present):  # no version counter: a change could not be seen
         with torch.no_grad():
             return _fold(norm, *sources, dtype)
-    key = (norm, dtype, tuple(None if t is None else (t.untyped_storage()._cdata, t.data_ptr(), tuple(t.shape),
-                                                      tuple(t.stride())) for t in sources))
+    key = (norm, dtype, tuple(None if t is None else (t.data_ptr(), t.shape, t.stride()) for t in sources))
     entry = _cache.get(key)
     if entry is not None and entry.expired():
         del _cache[key]
