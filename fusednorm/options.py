@@ -33,7 +33,14 @@ class Options:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(options) - known)
         if unknown:
-            raise ValueError(f"fusednorm: unknown backend option(s) {unknown}; known: {sorted(known - {'report'})}")
+            from torch._inductor import config as inductor_config
+
+            hint = ""
+            if set(unknown) & set(inductor_config.get_config_copy()):
+                hint = ("; Inductor settings go in options={'inductor': {...}} (and CUDA graphs, as "
+                        "mode='reduce-overhead' would give, are options={'cudagraphs': True})")
+            raise ValueError(f"fusednorm: unknown backend option(s) {unknown}; known: "
+                             f"{sorted(known - {'report'})}{hint}")
         opts = cls(**options)
         from .plans.choose import KERNEL_POLICIES, POLICIES
 
