@@ -9,7 +9,8 @@
 #   Inductor) run only when STEPS names them.
 #   OUT=<dir> [STEPS="gpu bench cpu models"] [SWEEP_SHAPES=t5_dec,...] [NCU_SHAPES="seed sdxl64"] bash bench/device_run.sh
 #   (models: MODELS=t5,torch MODEL_VARIANTS=inductor,fusednorm_plan,inductor_cg,fusednorm_plan_cg MODELS_TIMEOUT=...)
-#   (wheels under .whl/ are installed first: carry diffusers there, the GPU machine lacks it)
+#   (wheels under .whl/ are installed first: carry diffusers there, the GPU machine lacks it; carry .kernels.tar.xz
+#   from bench/prebuild_kernels.py to skip the GPU tests' cold compiles)
 set -u
 OUT=${OUT:-bench/out}
 STEPS=${STEPS:-gpu bench cpu models}
@@ -21,7 +22,12 @@ fi
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())"
 for step in $STEPS; do
   case $step in
-    gpu) timeout ${GPU_TIMEOUT:-300} python3 -m pytest tests/gpu -q -x -p no:cacheprovider ${GPU_TESTS:-} 2>&1 | tee "$OUT/gpu_tests.log" | tail -4 ;;
+    gpu) cache_env=  # kernels compiled ahead by bench/prebuild_kernels.py, carried as .kernels.tar.xz (gpu step only)
+      if [ -f .kernels.tar.xz ]; then
+        mkdir -p /tmp/fnk && tar xJf .kernels.tar.xz -C /tmp/fnk && cache_env="FUSEDNORM_CACHE_DIR=/tmp/fnk"
+        echo "prebuilt kernels: $(ls /tmp/fnk | wc -l)"
+      fi
+      env $cache_env timeout ${GPU_TIMEOUT:-300} python3 -m pytest tests/gpu -q -x -p no:cacheprovider ${GPU_TESTS:-} 2>&1 | tee "$OUT/gpu_tests.log" | tail -4 ;;
     ablate) timeout ${ABLATE_TIMEOUT:-200} python3 bench/ablate_kernel.py ${ABLATE_CUTS:+--cuts $ABLATE_CUTS} ${ABLATE_SHAPES:+--shapes $ABLATE_SHAPES} ${ABLATE_ALL:+--all-roles} 2>&1 | tee -a "$OUT/ablate.log" | tail -12 ;;
     sweep) timeout 240 python3 bench/sweep_tiles.py ${SWEEP_SHAPES:+--shapes $SWEEP_SHAPES} ${SWEEP_ONLY:+--only $SWEEP_ONLY} 2>&1 | tee "$OUT/sweep.log" | tail -40 ;;
     sanitize) for tool in memcheck racecheck; do

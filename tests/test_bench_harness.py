@@ -316,3 +316,29 @@ def test_models_tables_print_a_run_that_left_variants_out(capsys):
     assert "| T5 | 5.00 (call 6.00) | 5.10 (call 5.50) | — | — |" in out
     assert "| T5 | 5.20 | —, — | 4.80 | 1.00e-02 |" in out
     assert "| unet | skipped: needs diffusers |" in out
+
+
+def test_prebuilt_kernels_are_the_ones_the_gpu_kernel_tests_compile():
+    """bench/prebuild_kernels.py and the GPU kernel tests' up-front compile share one list (tests/gpu/
+    kernel_specs.py): every (dtype, head dim, tile role) with each norm and mask, the sm_80 tiles too on sm_90,
+    and the numerics-check and float32-mask kernels; each key once."""
+    sys.path.insert(0, str(BENCH.parent / "tests" / "gpu"))
+    try:
+        from kernel_specs import kernel_test_specs
+    finally:
+        sys.path.pop(0)
+    from fusednorm.codegen.spec import HEAD_DIMS, TILE_ROLES, tile_for
+
+    for arch in (80, 90):
+        specs = kernel_test_specs(arch)
+        keys = [s.key for s in specs]
+        assert len(keys) == len(set(keys)) and all(s.arch == arch for s in specs)
+        tiles = {(s.dtype, s.head_dim, s.tile) for s in specs}
+        assert all((dt, d, tile_for(r, d, arch)) in tiles for dt in ("bf16", "fp16") for d in HEAD_DIMS
+                   for r in TILE_ROLES)
+        assert {(s.norm, s.has_gamma, s.has_beta, s.mask) for s in specs if s.dtype == "fp16" and s.head_dim == 40} \
+            == {(n, g, b, m) for n, g, b in (("layer", True, True), ("layer", False, False), ("rms", True, False))
+                for m in ("none", "bool", "add")}
+        assert any(s.check_numerics for s in specs) and any(s.mask_f32 for s in specs)
+    on_sm90 = {s.tile for s in kernel_test_specs(90)}
+    assert {tile_for("long", 64, 90), tile_for("long", 64, 80)} <= on_sm90  # the sm_80 tiles are tested there too

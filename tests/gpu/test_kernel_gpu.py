@@ -23,10 +23,9 @@ from fusednorm.codegen import cache, launch, select  # noqa: E402
 from fusednorm.codegen.spec import (HEAD_DIMS, TILE_ROLES, WGMMA_HEAD_DIMS, WGMMA_ROLES, KernelSpec,  # noqa: E402
                                     tile_for)
 from fusednorm.reference import reference_pre_norm_cross_attn  # noqa: E402
+from kernel_specs import MASKS, NORMS, family_specs, kernel_test_specs, tile_sets, tiles_of  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-NORMS = ("layer_affine", "layer_plain", "rms")
-MASKS = ("none", "bool", "add")
 Q_LENS = (1, 3, 127, 129)
 K_LENS = (1, 77, 1500)
 DEV = "cuda"
@@ -44,44 +43,27 @@ def _arch():
     return major * 10 + minor
 
 
-# On sm_90 the native tiles of head dims 64 and 128 use the warpgroup mma; the sm_80 tiles (mma.sync, what every
-# other GPU runs) are tested there too, swapped in through codegen.tile_for.
-TILE_SETS = ["native"] + (["sm80_tiles"] if _arch() == 90 else [])
-
-
-def _tiles_of(tile_set):
-    if tile_set == "sm80_tiles":
-        return lambda role, d, arch=80, stage=False: tile_for(role, d, 80, stage)
-    return tile_for
+TILE_SETS = tile_sets(_arch())
 
 
 @pytest.fixture(params=TILE_SETS)
 def tile_set(request, monkeypatch):
     codegen.forget_loaded_kernels()  # families are keyed without the tile choice: drop them when it changes
-    monkeypatch.setattr(codegen, "tile_for", _tiles_of(request.param))
+    monkeypatch.setattr(codegen, "tile_for", tiles_of(request.param))
     yield request.param
     codegen.forget_loaded_kernels()
 
 
 def _family_specs(dtype, d, norm_variant, mask, mask_f32=False, check=False, tiles=tile_for):
-    norm = "rms" if norm_variant == "rms" else "layer"
-    has_g = norm_variant in ("layer_affine", "rms")
-    has_b = norm_variant == "layer_affine"
-    kind = "none" if mask == "none" else ("bool" if mask == "bool" else "add")
-    return [KernelSpec(dtype, d, norm, has_g, has_b, False, kind, mask_f32, tiles(r, d, _arch()), _arch(), check)
-            for r in TILE_ROLES]
+    return family_specs(_arch(), dtype, d, norm_variant, mask, mask_f32, check, tiles)
 
 
 @pytest.fixture(scope="module", autouse=True)
 def compiled_kernels():
-    """Compile every kernel this file needs up front, in parallel, so the cases themselves only launch."""
-    specs = []
-    for tiles, dtype, d, norm, mask in itertools.product(TILE_SETS, DTYPES, HEAD_DIMS, NORMS, MASKS):
-        specs += _family_specs(dtype, d, norm, mask, tiles=_tiles_of(tiles))
-    specs += _family_specs("bf16", 64, "layer_affine", "none", check=True)
-    specs += _family_specs("bf16", 64, "layer_affine", "add", mask_f32=True)
+    """Compile every kernel this file needs up front, in parallel, so the cases themselves only launch (from the
+    disk cache where bench/prebuild_kernels.py filled it)."""
     with ThreadPoolExecutor(max(2, os.cpu_count() or 2)) as pool:
-        list(pool.map(cache.get_kernel, specs))
+        list(pool.map(cache.get_kernel, kernel_test_specs(_arch())))
 
 
 # ---- inputs, reference, eager ----
