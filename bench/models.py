@@ -134,6 +134,9 @@ def rel_l2(a, b):
     return ((a - b).norm() / b.norm()).item()
 
 
+REPORTS = ("fusednorm", "measure", "plan", "measure_cg")  # the variants whose report a run keeps
+
+
 def variants(reports, cudagraphs=True, only=None):
     """(label, backend, torch.compile keywords) of every compiled variant. "fusednorm": the backend as shipped;
     "fusednorm_measure": each projection block measured, plan or Inductor, whichever is faster (plan="measure");
@@ -160,7 +163,7 @@ def bench_one(name, device, dtype, rounds=20, cudagraphs=True, only=None):
         ref = pick(model(**inputs)).float()
         fns = {"eager": lambda: model(**inputs)}
         # both compiled models wrap the same module; Dynamo keeps one cache entry per backend, so no reset between
-        reports = {key: Report() for key in ("fusednorm", "measure", "plan", "measure_cg")}
+        reports = {key: Report() for key in REPORTS}
         report, measured, forced = reports["fusednorm"], reports["measure"], reports["plan"]
         for label, backend, kw in variants(reports, cudagraphs, only):
             compiled = torch.compile(model, backend=backend, **kw)
@@ -237,6 +240,10 @@ def main():
     unknown = [n for n in args.models.split(",") if n not in MODELS]
     if unknown:
         p.error(f"unknown model(s) {', '.join(unknown)}; known: {', '.join(MODELS)}")
+    only = set(args.variants.split(",")) if args.variants else None
+    known = {label for label, _, _ in variants(dict.fromkeys(REPORTS))}
+    if only and only - known:
+        p.error(f"unknown variant(s) {', '.join(sorted(only - known))}; known: {', '.join(sorted(known))}")
     os.makedirs(args.out, exist_ok=True)
     meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "dtype": args.dtype,
             "date": time.strftime("%Y-%m-%d"), "fusednorm": fusednorm.__version__}
@@ -245,10 +252,6 @@ def main():
         with open(os.path.join(args.out, "models.json"), "w") as f:
             json.dump({"meta": meta, "rows": rows}, f, indent=1)
 
-    only = set(args.variants.split(",")) if args.variants else None
-    known = {label for label, _, _ in variants({k: None for k in ("fusednorm", "measure", "plan", "measure_cg")})}
-    if only and only - known:
-        p.error(f"unknown variant(s) {', '.join(sorted(only - known))}; known: {', '.join(sorted(known))}")
     rows = run_models(args.models.split(","), "cuda", dtype, args.rounds, save, args.cudagraphs, only)
     print_tables(meta, rows)
 

@@ -292,7 +292,7 @@ def test_models_cuda_graph_variants_use_valid_options():
     from fusednorm.report import Report
 
     models = _load("bench_models", "models.py")
-    reports = {key: Report() for key in ("fusednorm", "measure", "plan", "measure_cg")}
+    reports = {key: Report() for key in models.REPORTS}
     kws = {label: kw for label, _, kw in models.variants(reports)}
     assert {"inductor_cg", "fusednorm_measure_cg", "fusednorm_plan_cg"} <= set(kws)
     assert kws["inductor_cg"] == {"mode": "reduce-overhead"}
