@@ -70,7 +70,7 @@ def fusednorm_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | 
         if graphs:
             patches["triton.cudagraphs"] = True
         compiled = compile_fx(gm, example_inputs, config_patches=patches or None)
-    return _holding_folded_weights(compiled) if graphs and _fused_nodes(gm) else compiled
+    return _holding_folded_weights(compiled) if graphs and _has_fused_node(gm) else compiled
 
 
 def _has_cuda_input(example_inputs) -> bool:
@@ -78,8 +78,10 @@ def _has_cuda_input(example_inputs) -> bool:
     return any(isinstance(t, torch.Tensor) and t.is_cuda for t in example_inputs)
 
 
-def _fused_nodes(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
-    return [n for n in gm.graph.nodes if n.op == "call_function" and str(n.target).startswith("fusednorm.")]
+def _has_fused_node(gm: torch.fx.GraphModule) -> bool:
+    from .passes.rewrite import FUSED_OP
+
+    return any(n.target is FUSED_OP for n in gm.graph.nodes)
 
 
 def _holding_folded_weights(compiled):
