@@ -25,9 +25,11 @@ for step in $STEPS; do
     gpu) cache_env=  # kernels compiled ahead by bench/prebuild_kernels.py, carried as .kernels.tar.xz (gpu step only)
       if [ -f .kernels.tar.xz ]; then
         mkdir -p /tmp/fnk && tar xJf .kernels.tar.xz -C /tmp/fnk && cache_env="FUSEDNORM_CACHE_DIR=/tmp/fnk"
-        echo "prebuilt kernels: $(ls /tmp/fnk | wc -l)"
+        touch /tmp/fnk.unpacked
+        echo "prebuilt kernels: $(ls /tmp/fnk/*.fnk | wc -l), NVRTC here: $(python3 -c 'from fusednorm.codegen import nvrtc; print(nvrtc.nvrtc_version())')"
       fi
-      env $cache_env timeout ${GPU_TIMEOUT:-300} python3 -m pytest tests/gpu -q -x -p no:cacheprovider ${GPU_TESTS:-} 2>&1 | tee "$OUT/gpu_tests.log" | tail -4 ;;
+      env $cache_env timeout ${GPU_TIMEOUT:-300} python3 -m pytest tests/gpu -q -x -p no:cacheprovider ${GPU_TESTS:-} 2>&1 | tee "$OUT/gpu_tests.log" | tail -4
+      [ -n "$cache_env" ] && echo "kernels compiled on the device: $(find /tmp/fnk -name '*.fnk' -newer /tmp/fnk.unpacked | wc -l)" ;;
     ablate) timeout ${ABLATE_TIMEOUT:-200} python3 bench/ablate_kernel.py ${ABLATE_CUTS:+--cuts $ABLATE_CUTS} ${ABLATE_SHAPES:+--shapes $ABLATE_SHAPES} ${ABLATE_ALL:+--all-roles} 2>&1 | tee -a "$OUT/ablate.log" | tail -12 ;;
     sweep) timeout 240 python3 bench/sweep_tiles.py ${SWEEP_SHAPES:+--shapes $SWEEP_SHAPES} ${SWEEP_ONLY:+--only $SWEEP_ONLY} 2>&1 | tee "$OUT/sweep.log" | tail -40 ;;
     sanitize) for tool in memcheck racecheck; do
