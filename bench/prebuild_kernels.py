@@ -1,4 +1,4 @@
-"""Compile, on a machine without a GPU, the kernels the GPU kernel tests need, into a kernel cache for the device.
+"""Compile, on a machine without a GPU, the kernels the GPU tests need, into a kernel cache for the device.
 
     python bench/prebuild_kernels.py --arch 90 --out /tmp/fnk --pack .kernels.tar.xz
 
@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "gpu")]
 
 from fusednorm.codegen import cache, nvrtc  # noqa: E402
-from kernel_specs import kernel_test_specs  # noqa: E402
+from kernel_specs import kernel_test_specs, plan_test_specs  # noqa: E402
 
 
 def _build(args):
@@ -53,7 +53,7 @@ def main():
               flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    specs = kernel_test_specs(args.arch)
+    specs = list({s.key: s for s in kernel_test_specs(args.arch) + plan_test_specs(args.arch)}.values())
     t0 = time.time()
     with ProcessPoolExecutor(args.jobs) as pool:
         built = list(pool.map(_build, [(s, str(out)) for s in specs], chunksize=4))

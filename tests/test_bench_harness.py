@@ -318,13 +318,13 @@ def test_models_tables_print_a_run_that_left_variants_out(capsys):
     assert "| unet | skipped: needs diffusers |" in out
 
 
-def test_prebuilt_kernels_are_the_ones_the_gpu_kernel_tests_compile():
+def test_prebuilt_kernels_are_the_ones_the_gpu_tests_compile():
     """bench/prebuild_kernels.py and the GPU kernel tests' up-front compile share one list (tests/gpu/
     kernel_specs.py): every (dtype, head dim, tile role) with each norm and mask, the sm_80 tiles too on sm_90,
-    and the numerics-check and float32-mask kernels; each key once."""
+    and the numerics-check and float32-mask kernels; each key once. Beside them, the plan tests' stages."""
     sys.path.insert(0, str(BENCH.parent / "tests" / "gpu"))
     try:
-        from kernel_specs import kernel_test_specs
+        from kernel_specs import kernel_test_specs, plan_test_specs
     finally:
         sys.path.pop(0)
     from fusednorm.codegen.spec import HEAD_DIMS, TILE_ROLES, tile_for
@@ -342,3 +342,8 @@ def test_prebuilt_kernels_are_the_ones_the_gpu_kernel_tests_compile():
         assert any(s.check_numerics for s in specs) and any(s.mask_f32 for s in specs)
     on_sm90 = {s.tile for s in kernel_test_specs(90)}
     assert {tile_for("long", 64, 90), tile_for("long", 64, 80)} <= on_sm90  # the sm_80 tiles are tested there too
+    stages = plan_test_specs(90)
+    assert len({s.key for s in stages}) == len(stages) and not {s.key for s in stages} & {s.key for s in specs}
+    flavours = {(s.q_from_qraw, s.write_o, s.has_gamma) for s in stages if s.head_dim == 64}
+    assert flavours == {(True, True, False), (True, False, False), (False, True, True)}  # norm folded with Wq
+    assert {s.head_dim for s in stages} == {40, 64, 80, 128, 160}

@@ -16,7 +16,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 import fusednorm
 from fusednorm import codegen, dispatch, op, plans
 from fusednorm.codegen import launch, select
-from fusednorm.codegen.spec import TILE_ROLES, tile_for
+from fusednorm.codegen.spec import TILE_ROLES, KernelSpec, tile_for
 from fusednorm.reference import reference_pre_norm_cross_attn
 
 pytestmark = pytest.mark.filterwarnings("ignore::fusednorm.FusedNormWarning")
@@ -565,3 +565,33 @@ def test_the_ctypes_launch_is_used_and_a_failure_goes_to_the_binding(monkeypatch
     monkeypatch.setattr(launch, "_make_primary_context_current", lambda index: None)
     launch.launch(kernel, 3, 77, pointers, tail)
     assert bound_calls == ["fn"] and launch.launch_count == before + 2
+
+
+def test_the_prebuilt_plan_stages_are_the_ones_the_plan_asks_for(gpu):
+    """bench/prebuild_kernels.py lists the plan's stage kernels by hand (tests/gpu/kernel_specs.py); the kernel
+    families the plan really asks for, for each projection variant, norm and mask, must be among them."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent / "gpu"))
+    try:
+        from kernel_specs import plan_test_specs
+    finally:
+        sys.path.pop(0)
+    listed = {s.key for s in plan_test_specs(90)}
+    for norm in ("layer", "rms"):
+        for mask in (None, "bool", "add"):
+            for drop in ((), ("wq", "bq"), ("wo", "bo")):
+                t, w = plan_inputs(D=256)  # D = H * d: a block without Wq needs it
+                if norm == "rms":
+                    t["beta"] = None
+                w = {n: (None if n in drop else v) for n, v in w.items()}
+                m = None if mask is None else (torch.rand(2, 1, 5, 7) > 0.3 if mask == "bool"
+                                               else torch.randn(2, 1, 5, 7).to(BF16))
+                op._pre_norm_cross_attn_cuda(t["x"], t["k"], t["v"], t["gamma"], t["beta"], w["wq"], w["bq"],
+                                             w["wo"], w["bo"], m, norm, 1e-5)
+    asked = set()
+    for (dtype, d, norm, has_g, has_b, affine_f32, kind, mask_f32, arch, check, _, qraw, write_o) in gpu.families:
+        asked |= {KernelSpec(dtype, d, norm, has_g, has_b, affine_f32, kind, mask_f32,
+                             tile_for(r, d, arch, stage=qraw), arch, check, qraw, write_o).key for r in TILE_ROLES}
+    assert len(gpu.families) == 18 and asked <= listed, sorted(asked - listed)[:3]

@@ -1,5 +1,6 @@
-"""The kernels tests/gpu/test_kernel_gpu.py compiles, without a GPU: the test compiles them up front on the device,
-and bench/prebuild_kernels.py compiles the same set ahead of a device run (its cold compiles cost ~200 s there)."""
+"""The kernels the GPU tests compile, listed without a GPU: tests/gpu/test_kernel_gpu.py compiles its own up front on
+the device, and bench/prebuild_kernels.py compiles all of them ahead of a device run (cold compiles cost ~200 s
+there)."""
 from __future__ import annotations
 
 import itertools
@@ -40,4 +41,27 @@ def kernel_test_specs(arch: int) -> list[KernelSpec]:
         specs += family_specs(arch, dtype, d, norm, mask, tiles=tiles_of(tile_set))
     specs += family_specs(arch, "bf16", 64, "layer_affine", "none", check=True)
     specs += family_specs(arch, "bf16", 64, "layer_affine", "add", mask_f32=True)
+    return list({s.key: s for s in specs}.values())
+
+
+def stage_family_specs(arch, dtype, d, norm, mask, q_from_qraw, write_o):
+    """One kernel per tile role for the projection plan's attention stage (plans/__init__.py): with q from qraw,
+    gamma and beta are folded into Wq' (the stage reads neither); else it reads them in x's dtype. Additive masks
+    come in x's dtype."""
+    has_gamma = not q_from_qraw
+    has_beta = not q_from_qraw and norm == "layer"
+    return [KernelSpec(dtype, d, norm, has_gamma, has_beta, False, mask, False, tile_for(r, d, arch, stage=q_from_qraw),
+                       arch, False, q_from_qraw, write_o) for r in TILE_ROLES]
+
+
+def plan_test_specs(arch: int) -> list[KernelSpec]:
+    """The stages tests/gpu/test_plan_gpu.py (and the backend tests' decoder layers) run: every projection variant
+    at head dim 64 (Wq and Wo, Wq only, Wo only) with each norm and mask, and the full block at the other head dims
+    it covers."""
+    specs = []
+    for dtype, norm, mask, (q_from_qraw, write_o) in itertools.product(
+            DTYPES, ("layer", "rms"), MASKS, ((True, True), (True, False), (False, True))):
+        specs += stage_family_specs(arch, dtype, 64, norm, mask, q_from_qraw, write_o)
+    for d in (40, 80, 128, 160):
+        specs += stage_family_specs(arch, "bf16", d, "layer", "bool", True, True)
     return list({s.key: s for s in specs}.values())
