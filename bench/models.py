@@ -158,7 +158,9 @@ def bench_one(name, device, dtype, rounds=20, cudagraphs=True, only=None):
     title, model, inputs, pick = MODELS[name](device, dtype)
     row = {"model": name, "title": title}
     torch._dynamo.reset()
-    torch._dynamo.config.recompile_limit = 64  # one cache entry per variant for each frame of the model
+    for name in ("recompile_limit", "cache_size_limit"):  # one cache entry per variant for each frame of the model
+        if hasattr(torch._dynamo.config, name):
+            setattr(torch._dynamo.config, name, 64)
     with torch.no_grad():
         ref = pick(model(**inputs)).float()
         fns = {"eager": lambda: model(**inputs)}
