@@ -38,6 +38,7 @@ def measured(monkeypatch):
     monkeypatch.setattr(choose, "_key", lambda tensors, norm, scale: (norm, scale, tuple(
         None if t is None else tuple(t.shape) for t in tensors.values())))
     monkeypatch.setattr(choose, "_timings", {})
+    monkeypatch.setattr(choose, "_arch", lambda x: 90)  # the H200's ridge unless a test says otherwise
     return calls
 
 
@@ -188,3 +189,19 @@ def test_replayed_as_cuda_graphs_the_plan_is_judged_on_gpu_time_alone(monkeypatc
     assert graphs.fused and "host time not counted: replayed as CUDA graphs (option cudagraphs)" in graphs.reason
     assert len(calls) == 1
     assert not choose._verdict(79.0, 10.0, 80.0, what="plan", host_time_counts=False).fused  # noise margin
+
+
+def test_the_ridge_follows_the_arch_and_is_low_where_fusednorm_was_not_measured(measured, monkeypatch):
+    """sm_90: the H200's measured 192; sm_80: 140 (an A100's rate over its bandwidth); elsewhere 64, so that a
+    GPU nobody measured times the block instead of assuming the kernel wins."""
+    assert (choose.ridge_flop_per_byte(90), choose.ridge_flop_per_byte(80), choose.ridge_flop_per_byte(86)) == (
+        192.0, 140.0, 64.0)
+    between = args(Lq=1024, Lk=200, wq=False, wo=False)  # 1024 * 200 / 1224: 167 FLOP/byte
+    seed_like = args(Lq=2048, Lk=77, wq=False, wo=False)  # 74 FLOP/byte
+    assert choose.decide(between, "layer", "auto").fused and measured == []
+    monkeypatch.setattr(choose, "_arch", lambda x: 80)
+    choose.decide(between, "layer", "auto")
+    assert choose.decide(seed_like, "layer", "auto").fused and measured == [(2, 1024, 256)]
+    monkeypatch.setattr(choose, "_arch", lambda x: 86)
+    timed = choose.decide(seed_like, "layer", "auto")
+    assert measured == [(2, 1024, 256), (2, 2048, 256)] and timed.reason.endswith("(74 FLOP/byte > 64)")

@@ -14,8 +14,8 @@ CUDA-graph replay, so neither side's host cost leaks into them. With option ``cu
 graphs, the plan's host cost is paid once at capture, and GPU time alone decides (one measurement serves both).
 
 ``kernel="auto"`` (the default for projection-free blocks) takes the generated kernel without measuring where the
-block is memory-bound, and measures where it is not. Memory-bound means at most ``RIDGE_FLOP_PER_BYTE`` FLOPs
-(QK^T and P V) per byte the kernel must move (x read, y written, k, v, the mask): there the kernel wins by what
+block is memory-bound, and measures where it is not. Memory-bound means at most ``ridge_flop_per_byte(arch)``
+FLOPs (QK^T and P V) per byte the kernel must move (x read, y written, k, v, the mask): there the kernel wins by what
 it does not move (the compiler's block writes and reads the normed x and the attention output, ~5 more passes
 over x), and its math is not the bottleneck. Above it the block's time is the attention's math, where the
 compiler's SDPA kernel can be faster than the generated one (2048 keys on the H200: docs/PERF.md §1), so the two
@@ -38,7 +38,12 @@ import torch.nn.functional as F
 
 POLICIES = ("measure", "always", "never")
 KERNEL_POLICIES = ("auto", "always", "measure")
-RIDGE_FLOP_PER_BYTE = 192.0  # the H200's bf16 matmul rate over its copy bandwidth (~800 TFLOP/s / 4.2 TB/s)
+RIDGE_FLOP_PER_BYTE = 192.0  # sm_90: the H200's bf16 matmul rate over its copy bandwidth (~800 TFLOP/s / 4.2 TB/s)
+# Archs fusednorm has not been measured on get a ridge at or below what their parts reach, so that "auto" times a
+# block rather than assumes: sm_80 an A100-80GB's 312 TFLOP/s over 2.0 TB/s at the H200's achieved fractions (~140);
+# any other arch 64 (GeForce sm_86/sm_89 parts reach only ~70-165).
+RIDGES = {90: RIDGE_FLOP_PER_BYTE, 80: 140.0}
+UNMEASURED_RIDGE = 64.0
 MARGIN = 0.97        # the plan must beat the compiler by 3 %: timing noise never flips a block to a slower path
 TIMEOUT_S = 600.0
 
@@ -93,9 +98,10 @@ def decide(args: dict, norm: str, policy: str, host_time_counts: bool = True) ->
         intensity = None if dynamic else flop_per_byte(tensors)
         if intensity is None:
             return Choice(True, "the kernel (option kernel='auto', the default: dynamic shapes, not measured)")
-        if intensity <= RIDGE_FLOP_PER_BYTE:
+        ridge = ridge_flop_per_byte(_arch(tensors["x"]))
+        if intensity <= ridge:
             return Choice(True, f"the kernel (option kernel='auto', the default: memory-bound, {intensity:.0f} "
-                                f"FLOP/byte <= {RIDGE_FLOP_PER_BYTE:.0f})")
+                                f"FLOP/byte <= {ridge:.0f})")
     if dynamic:
         return Choice(False, f"left to the compiler: dynamic shapes (the {what} is chosen by measuring a fixed shape)")
     key = _key(tensors, norm, args["scale"])
@@ -109,8 +115,18 @@ def decide(args: dict, norm: str, policy: str, host_time_counts: bool = True) ->
         hit = _verdict(*timed, what=what, host_time_counts=host_time_counts)
     if policy == "auto":
         return Choice(hit.fused, f"{hit.reason}; timed as option kernel='auto' does where the block is not "
-                                 f"memory-bound ({intensity:.0f} FLOP/byte > {RIDGE_FLOP_PER_BYTE:.0f})")
+                                 f"memory-bound ({intensity:.0f} FLOP/byte > {ridge:.0f})")
     return hit
+
+
+def ridge_flop_per_byte(arch: int) -> float:
+    """FLOPs per byte above which a block on this arch (major * 10 + minor) is timed rather than given the kernel."""
+    return RIDGES.get(arch, UNMEASURED_RIDGE)
+
+
+def _arch(x) -> int:
+    major, minor = torch.cuda.get_device_capability(x.device)
+    return major * 10 + minor
 
 
 def flop_per_byte(tensors: dict) -> float:
