@@ -36,7 +36,7 @@ class Options:
             from torch._inductor import config as inductor_config
 
             hint = ""
-            if set(unknown) & set(inductor_config.get_config_copy()):
+            if set(unknown) & ({"mode"} | set(inductor_config.get_config_copy())):
                 hint = ("; Inductor settings go in options={'inductor': {...}} (and CUDA graphs, as "
                         "mode='reduce-overhead' would give, are options={'cudagraphs': True})")
             raise ValueError(f"fusednorm: unknown backend option(s) {unknown}; known: "

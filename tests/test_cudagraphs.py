@@ -117,6 +117,8 @@ def test_inductor_config_reaches_compile_fx_and_is_checked(compile_fx_calls):
         Options.from_dict({"inductor": "max-autotune"})
     with pytest.raises(ValueError, match=r"unknown backend option\(s\) \['max_autotune'\].*Inductor settings go in"):
         Options.from_dict({"max_autotune": True})  # torch.compile(options=...) as for the inductor backend
+    with pytest.raises(ValueError, match=r"\['mode'\].*options=\{'cudagraphs': True\}"):
+        Options.from_dict({"mode": "reduce-overhead"})
 
 
 def test_dynamo_calls_the_holding_wrapper_as_it_called_the_compiled_graph(monkeypatch):
