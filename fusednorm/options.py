@@ -33,10 +33,8 @@ class Options:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(options) - known)
         if unknown:
-            from torch._inductor import config as inductor_config
-
             hint = ""
-            if set(unknown) & ({"mode"} | set(inductor_config.get_config_copy())):
+            if set(unknown) & ({"mode"} | _inductor_keys()):
                 hint = ("; Inductor settings go in options={'inductor': {...}} (and CUDA graphs, as "
                         "mode='reduce-overhead' would give, are options={'cudagraphs': True})")
             raise ValueError(f"fusednorm: unknown backend option(s) {unknown}; known: "
@@ -67,15 +65,19 @@ class Options:
 def _check_inductor(opts: Options) -> None:
     """The inductor option: a dict of known Inductor config keys, only with compiler="inductor"; its
     "triton.cudagraphs" is the cudagraphs option (so that the plan's weights are held for the graphs too)."""
-    from torch._inductor import config as inductor_config
-
     if not isinstance(opts.inductor, dict):
         raise ValueError(f"fusednorm: option inductor={opts.inductor!r}; expected a dict of Inductor config values")
     if opts.compiler != "inductor":
         raise ValueError(f"fusednorm: option inductor applies to compiler='inductor', not {opts.compiler!r}")
-    unknown = sorted(set(opts.inductor) - set(inductor_config.get_config_copy()))
+    unknown = sorted(set(opts.inductor) - _inductor_keys())
     if unknown:
         raise ValueError(f"fusednorm: option inductor: unknown Inductor config key(s) {unknown} "
                          "(torch._inductor.config lists them)")
     if opts.inductor.get("triton.cudagraphs"):
         opts.cudagraphs = True
+
+
+def _inductor_keys() -> set[str]:
+    from torch._inductor import config as inductor_config
+
+    return set(inductor_config.get_config_copy())
