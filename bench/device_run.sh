@@ -3,10 +3,11 @@
 #   gpu: GPU tests; bench: the block benchmark (noproj form); benchproj: the same for the proj form (Wq/Wo);
 #   cpu: the CPU suite under that machine's torch; models: whole models (Whisper, T5, SD-1.5 UNet, torch decoder;
 #   one whose library is missing is skipped); ncu: the seed shape under Nsight Compute, with the per-instruction
-#   summary of bench/sass_profile.py; host: host time per op call (bench/host_profile_plan.py). benchproj, sweep,
-#   ablate (bench/ablate_kernel.py), host, probe (bench/probe_copies.py: the decode K/V stream alone, per copy form),
-#   sanitize, ncu and choice (bench/kernel_choice.py: what the default kernel="auto" picks against kernel and
-#   Inductor) run only when STEPS names them.
+#   summary of bench/sass_profile.py; host: host time per op call (bench/host_profile_plan.py, and
+#   bench/host_dispatch.py: the autograd key's share). benchproj, sweep, ablate (bench/ablate_kernel.py), host,
+#   probe (bench/probe_copies.py: the decode K/V stream alone, per copy form), sanitize, ncu and choice
+#   (bench/kernel_choice.py: what the default kernel="auto" picks against kernel and Inductor) run only when STEPS
+#   names them.
 #   OUT=<dir> [STEPS="gpu bench cpu models"] [SWEEP_SHAPES=t5_dec,...] [NCU_SHAPES="seed sdxl64"] bash bench/device_run.sh
 #   (models: MODELS=t5,torch MODEL_VARIANTS=inductor,fusednorm_plan,inductor_cg,fusednorm_plan_cg MODELS_TIMEOUT=...)
 #   (wheels under .whl/ are installed first: carry diffusers there, the GPU machine lacks it; carry .kernels.tar.xz
@@ -37,7 +38,8 @@ for step in $STEPS; do
         echo "$tool: exit $?, $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/$tool.log")"
       done ;;
     probe) timeout 150 python3 bench/probe_copies.py 2>&1 | tee "$OUT/probe_copies.log" | tail -30 ;;
-    host) timeout 120 python3 bench/host_profile_plan.py > "$OUT/host_profile.log" 2>&1; head -30 "$OUT/host_profile.log" ;;
+    host) timeout 120 python3 bench/host_profile_plan.py > "$OUT/host_profile.log" 2>&1; head -30 "$OUT/host_profile.log"
+      timeout 60 python3 bench/host_dispatch.py --device cuda 2>&1 | tee "$OUT/host_dispatch.log" ;;
     bench) timeout 150 python3 bench/bench_block.py --form noproj --out "$OUT" 2>&1 | tee "$OUT/bench_block.log" | tail -12 ;;
     choice) timeout ${CHOICE_TIMEOUT:-420} python3 bench/kernel_choice.py --out "$OUT" ${CHOICE_SHAPES:+--shapes $CHOICE_SHAPES} 2>&1 | tee "$OUT/kernel_choice.log" | tail -20 ;;
     benchproj) timeout 200 python3 bench/bench_block.py --form proj --out "$OUT" 2>&1 | tee "$OUT/bench_proj.log" | tail -12 ;;

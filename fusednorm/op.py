@@ -106,6 +106,12 @@ def pre_norm_cross_attn(
     check_numerics: bool = False,
 ) -> Tensor:
     """y = x + out_proj(MHA(q_proj(norm(x)), k, v)) as fusednorm/reference.py states it. Default: the reference."""
+    return _pre_norm_cross_attn_reference(x, k, v, gamma, beta, wq, bq, wo, bo, mask, norm, eps, scale, sm_count,
+                                          check_numerics)
+
+
+def _pre_norm_cross_attn_reference(x, k, v, gamma, beta, wq, bq, wo, bo, mask, norm, eps, scale=None, sm_count=None,
+                                   check_numerics=False):
     check_inputs(x, k, v, gamma, beta, wq, bq, wo, bo, mask, norm, eps, scale, sm_count)
     y = reference_pre_norm_cross_attn(x, k, v, gamma, beta, wq, bq, wo, bo, mask, norm, eps, scale)
     if check_numerics:
@@ -125,8 +131,8 @@ def _pre_norm_cross_attn_cuda(x, k, v, gamma, beta, wq, bq, wo, bo, mask, norm, 
 # Registered on the op's CUDA key directly rather than through ``register_kernel("cuda")``: that wraps the kernel
 # in a Python layer of custom_op's (aliasing checks, a dynamo-disable guard) that cost ~36 µs per call on the H200
 # host (docs/PERF.md) and checks nothing the fake impl does not already promise: a fresh, contiguous output.
-_cuda_lib = torch.library.Library("fusednorm", "IMPL")
-_cuda_lib.impl("pre_norm_cross_attn", _pre_norm_cross_attn_cuda, "CUDA")
+_impl_lib = torch.library.Library("fusednorm", "IMPL")
+_impl_lib.impl("pre_norm_cross_attn", _pre_norm_cross_attn_cuda, "CUDA")
 
 
 @pre_norm_cross_attn.register_fake
@@ -197,6 +203,42 @@ def _backward(ctx, grad_y):
 pre_norm_cross_attn.register_autograd(_backward, setup_context=_setup_context)
 
 
+# ---- the autograd key without its Python layer when nothing needs a gradient.
+# custom_op puts a Python kernel on the Autograd key that, when no input needs a gradient, only redispatches below
+# autograd: 6 µs per call on a 2-core CPU, ~12 on the H200 host (docs/PERF.md), paid by every call a compiled graph
+# makes (its forward runs with grad disabled). The kernel below, on the CPU and CUDA autograd keys, calls the
+# device's implementation itself when the call is a plain one (no gradient needed, nothing between autograd and the
+# device: no fake tensors, functionalization or tensor subclass), and custom_op's autograd kernel otherwise.
+
+DEVICE_IMPLS = {torch._C.DispatchKey.CPU: _pre_norm_cross_attn_reference,
+                torch._C.DispatchKey.CUDA: _pre_norm_cross_attn_cuda}
+
+
+def _register_direct_autograd() -> bool:
+    try:
+        from torch._library.autograd import make_autograd_impl
+
+        with_autograd = make_autograd_impl(torch.ops.fusednorm.pre_norm_cross_attn.default, pre_norm_cross_attn)
+        any_requires_grad, grad_enabled = torch._C._any_requires_grad, torch._C.is_grad_enabled
+        below_autograd = torch._C._after_autograd_keyset
+    except (ImportError, AttributeError, TypeError):  # another torch's layout: custom_op's layer stays (correct)
+        return False
+
+    def autograd_kernel(keyset, *args):
+        if not (grad_enabled() and any_requires_grad(*args)):
+            device_impl = DEVICE_IMPLS.get((keyset & below_autograd).highestPriorityTypeId())
+            if device_impl is not None:
+                return device_impl(*args)
+        return with_autograd(keyset, *args)
+
+    for key in ("AutogradCPU", "AutogradCUDA"):
+        _impl_lib.impl("pre_norm_cross_attn", autograd_kernel, key, with_keyset=True)
+    return True
+
+
+DIRECT_AUTOGRAD = _register_direct_autograd()
+
+
 def fused_pre_norm_cross_attn(
     q: Tensor,
     k: Tensor,
@@ -218,8 +260,8 @@ def fused_pre_norm_cross_attn(
     """
     eps = float(eps)
     if q.is_cuda and not torch.compiler.is_compiling() and not _needs_grad(q, k, v, gamma, beta, mask):
-        # Straight to the kernel: the dispatcher's autograd layer costs ~12 µs per call on the H200 host
-        # (docs/PERF.md) and adds nothing without autograd
+        # Straight to the kernel: the dispatcher (boxing 15 arguments, the autograd key) costs ~5 µs per call on
+        # a CPU (bench/host_dispatch.py), more on the H200 host, and adds nothing without autograd
         return dispatch.run_cuda_cached(q, k, v, gamma, beta, None, None, None, None, mask, norm, eps, scale,
                                         sm_count, check_numerics)
     return torch.ops.fusednorm.pre_norm_cross_attn(q, k, v, gamma, beta, None, None, None, None, mask, norm, eps,

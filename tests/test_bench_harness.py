@@ -347,3 +347,17 @@ def test_prebuilt_kernels_are_the_ones_the_gpu_tests_compile():
     flavours = {(s.q_from_qraw, s.write_o, s.has_gamma) for s in stages if s.head_dim == 64}
     assert flavours == {(True, True, False), (True, False, False), (False, True, True)}  # norm folded with Wq
     assert {s.head_dim for s in stages} == {40, 64, 80, 128, 160}
+
+
+def test_host_dispatch_times_both_autograd_kernels_and_leaves_the_op_as_it_was(capsys):
+    from fusednorm import op
+
+    hd = _load("host_dispatch", "host_dispatch.py")
+    hd.main(["--windows", "1", "--calls", "50"])
+    out = capsys.readouterr().out
+    assert "fusednorm's autograd kernel" in out and "custom_op's autograd kernel" in out
+    assert op.DEVICE_IMPLS[torch._C.DispatchKey.CPU] is op._pre_norm_cross_attn_reference
+    x, k = torch.randn(1, 2, 8), torch.randn(1, 2, 3, 4)
+    y = torch.ops.fusednorm.pre_norm_cross_attn(x, k, k, None, None, None, None, None, None, None, "layer", 1e-5)
+    torch.testing.assert_close(y, reference_pre_norm_cross_attn(x, k, k, None, None, None, None, None, None, None,
+                                                                "layer", 1e-5, None))
