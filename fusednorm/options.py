@@ -6,6 +6,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 COMPILERS = ("inductor", "eager")
+GRAD_POLICIES = ("compiler", "fuse")
 
 
 @dataclass
@@ -23,6 +24,9 @@ class Options:
     cudagraphs: bool = False      # replay each compiled graph as CUDA graphs (Inductor's cudagraph trees, what
                                   # mode="reduce-overhead" does): no host cost per call; the plan is then chosen
                                   # on GPU time alone. CUDA graphs' rules apply (static shapes, outputs reused)
+    grad: str = "compiler"        # blocks whose output needs a gradient (grad enabled, an input requiring grad):
+                                  # "compiler" leaves them to it (the fused op's backward recomputes the block
+                                  # unfused in float32, far slower than the compiler's); "fuse" fuses them anyway
     inductor: dict | None = None  # Inductor config for the rest of the graph, as torch.compile(options=...) takes it
                                   # for the inductor backend, e.g. {"max_autotune": True}
     report: Any = None            # a fusednorm.report.Report to fill (used by fusednorm.explain)
@@ -46,6 +50,8 @@ class Options:
             raise ValueError(f"fusednorm: option plan={opts.plan!r}; expected one of {POLICIES}")
         if opts.kernel not in KERNEL_POLICIES:
             raise ValueError(f"fusednorm: option kernel={opts.kernel!r}; expected one of {KERNEL_POLICIES}")
+        if opts.grad not in GRAD_POLICIES:
+            raise ValueError(f"fusednorm: option grad={opts.grad!r}; expected one of {GRAD_POLICIES}")
         if opts.compiler not in COMPILERS:
             raise ValueError(f"fusednorm: option compiler={opts.compiler!r}; expected one of {COMPILERS}")
         if opts.inductor is not None:

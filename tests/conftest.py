@@ -73,10 +73,12 @@ class Fusion:
         return " | ".join(m.reason for m in self.near_misses)
 
     def run(self, model, *args, compiler="eager", tol=1e-4, **kwargs):
-        """Compile, run, compare with eager (relative L2 <= tol); returns the compiled model's output."""
-        expected = first_tensor(model(*args, **kwargs))
-        compiled = self.compile(model, compiler=compiler)
-        actual = first_tensor(compiled(*args, **kwargs))
+        """Compile, run under no_grad (as inference runs: a block needing a gradient is left to the compiler by
+        default), compare with eager (relative L2 <= tol); returns the compiled model's output."""
+        with torch.no_grad():
+            expected = first_tensor(model(*args, **kwargs))
+            compiled = self.compile(model, compiler=compiler)
+            actual = first_tensor(compiled(*args, **kwargs))
         err = rel_err(actual, expected)
         assert err <= tol, f"compiled output differs from eager: relative L2 error {err:.2e}; {self.reasons()}"
         return actual

@@ -64,9 +64,10 @@ class CountingBackend:
 def test_fullgraph_under_inductor_still_compiles(fusion):
     model = CrossBlock().eval()
     x, context = inputs()
-    expected = model(x, context)
-    torch.compile(model, backend="inductor", fullgraph=True)(x, context)  # the premise: Inductor takes it whole
-    actual = torch.compile(model, backend="fusednorm", fullgraph=True)(x, context)
+    with torch.no_grad():
+        expected = model(x, context)
+        torch.compile(model, backend="inductor", fullgraph=True)(x, context)  # the premise: Inductor takes it whole
+        actual = torch.compile(model, backend="fusednorm", fullgraph=True)(x, context)
     assert fusion.fused == 1
     assert rel_err(actual, expected) <= 1e-4
 
@@ -85,7 +86,8 @@ def test_new_sizes_recompile_at_most_once_and_stay_fused():
     compiled = torch.compile(model, backend=backend)
     for b, lq, lk in [(2, 5, 7), (3, 6, 9), (4, 8, 11), (5, 3, 2)]:
         x, context = inputs(b, lq, lk)
-        assert rel_err(compiled(x, context), model(x, context)) <= 1e-4
+        with torch.no_grad():
+            assert rel_err(compiled(x, context), model(x, context)) <= 1e-4
     assert len(backend.graphs) <= 2  # the first sizes, then one automatic-dynamic graph
     assert all(backend.fused(i) == 1 for i in range(len(backend.graphs)))
     symbolic = backend.graphs[-1]
@@ -99,7 +101,8 @@ def test_dynamic_true(fusion, compiler):
     compiled = fusion.compile(model, compiler=compiler, dynamic=True)
     for b, lq, lk in [(2, 5, 7), (3, 4, 6)]:
         x, context = inputs(b, lq, lk)
-        assert rel_err(compiled(x, context), model(x, context)) <= 1e-4
+        with torch.no_grad():
+            assert rel_err(compiled(x, context), model(x, context)) <= 1e-4
     assert fusion.fused >= 1 and fusion.fused == len(fusion.graphs)
     assert all(m.summary["dynamic"] for m in fusion.matches)
 
@@ -137,7 +140,7 @@ def test_gradients_match_eager(fusion, compiler):
         return [t.grad.clone() for t in (x, context, *model.parameters())]
 
     expected = grads(model)
-    actual = grads(fusion.compile(model, compiler=compiler))
+    actual = grads(fusion.compile(model, compiler=compiler, options={"grad": "fuse"}))
     assert fusion.fused == 1
     scale = torch.cat([e.flatten() for e in expected]).norm()
     for a, e in zip(actual, expected):
@@ -146,13 +149,39 @@ def test_gradients_match_eager(fusion, compiler):
         assert (a - e).norm() <= 1e-4 * max(e.norm(), 1e-3 * scale)
 
 
+@pytest.mark.parametrize("compiler", ["eager", "inductor"])
+def test_a_block_needing_gradients_is_left_to_the_compiler_and_the_reason_says_why(fusion, compiler):
+    """Training: the fused op's backward recomputes the block unfused in float32, so by default a block whose
+    output needs a gradient stays with the compiler (its backward is the compiler's); the report says so."""
+    model = CrossBlock().train()
+    x, context = inputs()
+    x.requires_grad_(True)
+    compiled = fusion.compile(model, compiler=compiler)
+    compiled(x, context).square().sum().backward()
+    assert fusion.fused == 0 and x.grad is not None
+    assert "the block's output needs a gradient" in fusion.reasons()
+    assert "options={'grad': 'fuse'}" in fusion.reasons()
+    with torch.no_grad():  # the same model for inference: fused
+        torch.testing.assert_close(compiled(x, context), model(x, context), rtol=1e-4, atol=1e-5)
+    assert fusion.fused == 1
+
+
+def test_the_grad_option_is_checked():
+    from fusednorm.options import Options
+
+    assert Options.from_dict({}).grad == "compiler"
+    with pytest.raises(ValueError, match=r"option grad='always'; expected one of \('compiler', 'fuse'\)"):
+        Options.from_dict({"grad": "always"})
+
+
 def test_rewrite_off_and_on():
     model = CrossBlock().eval()
     x, context = inputs()
     off, on = CountingBackend(rewrite=False), CountingBackend(rewrite=True)
-    assert torch.equal(torch.compile(model, backend=off)(x, context), model(x, context))
-    torch._dynamo.reset()
-    assert rel_err(torch.compile(model, backend=on)(x, context), model(x, context)) <= 1e-4
+    with torch.no_grad():
+        assert torch.equal(torch.compile(model, backend=off)(x, context), model(x, context))
+        torch._dynamo.reset()
+        assert rel_err(torch.compile(model, backend=on)(x, context), model(x, context)) <= 1e-4
     assert (off.fused(0), on.fused(0)) == (0, 1)
 
 
@@ -171,7 +200,8 @@ def test_under_autocast_the_mixed_dtype_block_is_left_alone_and_the_reason_says_
 
 def test_sm_count_and_check_numerics_reach_the_op():
     backend = CountingBackend(sm_count=3, check_numerics=True)
-    torch.compile(CrossBlock().eval(), backend=backend)(*inputs())
+    with torch.no_grad():
+        torch.compile(CrossBlock().eval(), backend=backend)(*inputs())
     fused = next(n for n in backend.graphs[0].graph.nodes if n.target is FUSED_OP)
     assert fused.args[13:] == (3, True)
 
@@ -195,11 +225,12 @@ assert "fusednorm" not in sys.modules
 torch.manual_seed(0)
 layer = nn.TransformerDecoderLayer(16, 2, 32, dropout=0.0, batch_first=True, norm_first=True).eval()
 x, memory = torch.randn(2, 3, 16), torch.randn(2, 5, 16)
-out = torch.compile(layer, backend="fusednorm", options={"compiler": "eager"})(x, memory)
-assert "fusednorm" in sys.modules
-import fusednorm.backend
-assert len(fusednorm.backend.last_report.matches) == 1
-print(float((out - layer(x, memory)).abs().max()))
+with torch.no_grad():
+    out = torch.compile(layer, backend="fusednorm", options={"compiler": "eager"})(x, memory)
+    assert "fusednorm" in sys.modules
+    import fusednorm.backend
+    assert len(fusednorm.backend.last_report.matches) == 1
+    print(float((out - layer(x, memory)).abs().max()))
 """
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]

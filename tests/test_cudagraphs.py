@@ -96,7 +96,8 @@ def test_a_cpu_model_compiled_with_the_option_runs_as_without_it():
     model = CrossBlock()
     x, ctx = inputs()
     compiled = torch.compile(model, backend="fusednorm", options={"cudagraphs": True})
-    torch.testing.assert_close(compiled(x, ctx), model(x, ctx), rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x, ctx), model(x, ctx), rtol=1e-5, atol=1e-5)
     assert fusednorm.backend.last_report.matches, "the block was not matched"
 
 
@@ -137,5 +138,6 @@ def test_dynamo_calls_the_holding_wrapper_as_it_called_the_compiled_graph(monkey
     compiled = torch.compile(model, backend="fusednorm", options={"cudagraphs": True})
     for _ in range(2):
         x, ctx = inputs()
-        torch.testing.assert_close(compiled(x, ctx), model(x, ctx), rtol=1e-5, atol=1e-5)
+        with torch.no_grad():
+            torch.testing.assert_close(compiled(x, ctx), model(x, ctx), rtol=1e-5, atol=1e-5)
     assert len(wrapped) == 1 and refreshed == [wrapped[0].held_weights] * 2

@@ -110,7 +110,8 @@ def attempt(pattern: Pattern, anchor: torch.fx.Node, space: HintSpace,
     """A checked candidate, the first reason the pattern's structural match failed, or None (no structure).
 
     ``order`` is each graph node's position (ancestor searches stop at the earliest node that matters); of the
-    backend's ``options``, plan, kernel and cudagraphs decide whether a block on CUDA is fused (plans/choose.py).
+    backend's ``options``, grad decides whether a block needing a gradient is fused, and plan, kernel and
+    cudagraphs whether a block on CUDA is (plans/choose.py).
     """
     first_failure = None
     try:
@@ -122,6 +123,11 @@ def attempt(pattern: Pattern, anchor: torch.fx.Node, space: HintSpace,
     except Exception as e:  # a pattern must never break the compile: say what happened instead
         return Failure(pattern.name, f"matching raised {type(e).__name__}: {e}")
     return first_failure
+
+
+NEEDS_GRAD = ("left to the compiler: the block's output needs a gradient (grad enabled, an input requires grad) and "
+              "the fused op's backward recomputes the block unfused in float32, slower than the compiler's; run "
+              "inference under torch.no_grad() or torch.inference_mode(), or options={'grad': 'fuse'} to fuse it anyway")
 
 
 def _check(pattern: Pattern, sm: StructuralMatch, space: HintSpace, order, options: Options) -> Candidate | Failure:
@@ -150,10 +156,18 @@ def _check(pattern: Pattern, sm: StructuralMatch, space: HintSpace, order, optio
         if verdict is not True:
             return Failure(pattern.name, verdict if isinstance(verdict, str) and verdict
                            else "the pattern's check refused the match", roles, 4)
+    if options.grad == "compiler" and _needs_grad(sm.anchor):
+        return Failure(pattern.name, NEEDS_GRAD, roles, 5)
     runs, no_kernel = _what_runs(args, pattern.norm, options.plan, options.kernel, options.cudagraphs)
     if no_kernel:
         return Failure(pattern.name, no_kernel, roles, 5)
     return Candidate(pattern, sm.anchor, dict(sm.values), sm.owned, roles, args, runs)
+
+
+def _needs_grad(node: torch.fx.Node) -> bool:
+    """Whether the block's output needs a gradient, as Dynamo traced it (grad mode and inputs included)."""
+    ev = node.meta.get("example_value")
+    return isinstance(ev, torch.Tensor) and ev.requires_grad
 
 
 def _check_output(pattern: Pattern, args, anchor, space: HintSpace) -> None:
