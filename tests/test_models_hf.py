@@ -1,6 +1,10 @@
 """Hugging Face encoder-decoders (Whisper, T5, mBART) from tiny configs (random init, no downloads), with
-attn_implementation "sdpa" and "eager": every decoder cross-attention block is fused, the outputs match eager."""
+attn_implementation "sdpa" and "eager": every decoder cross-attention block is fused, the outputs match eager; and
+in the cached decode step that generate() repeats (one new token, K/V read from the cross-attention cache)."""
 from __future__ import annotations
+
+import copy
+import inspect
 
 import pytest
 import torch
@@ -63,3 +67,25 @@ def test_encoder_decoder_cross_attention_is_fused(fusion, build, attn_implementa
         assert {m.summary["norm"] for m in fusion.matches} == {"layer"}
         assert {m.summary["scale"] for m in fusion.matches} == {8 ** -0.5}
         assert {m.summary["mask"] for m in fusion.matches} <= {"bool", "additive"}
+
+
+@pytest.mark.parametrize("build", [whisper, t5, mbart], ids=["whisper", "t5", "mbart"])
+def test_the_cached_decode_step_is_fused(fusion, build):
+    """generate()'s step: one new token per sequence, the cross-attention's K/V taken from the cache that the
+    prefill filled (no K/V projection in the graph), Lq = 1."""
+    torch.manual_seed(0)
+    model, inputs, decoder_layers = build("sdpa")
+    params = inspect.signature(model.forward).parameters
+    cache_arg = "cache" if "cache" in params else "past_key_values"  # the name changed across transformers
+    with torch.no_grad():
+        encoder = model.get_encoder()(**{n: t for n, t in inputs.items() if not n.startswith("decoder_")})
+        extra = {"attention_mask": inputs["attention_mask"]} if "attention_mask" in inputs else {}
+        prefill = model(encoder_outputs=encoder, decoder_input_ids=inputs["decoder_input_ids"], use_cache=True,
+                        **extra)
+        cache = prefill.past_key_values
+        step = dict(encoder_outputs=encoder, decoder_input_ids=torch.randint(3, 96, (B, 1)), use_cache=True, **extra)
+        want = model(**step, **{cache_arg: copy.deepcopy(cache)}).logits
+        got = fusion.compile(model)(**step, **{cache_arg: copy.deepcopy(cache)}).logits
+    assert fusion.fused == decoder_layers, fusion.reasons()
+    assert {tuple(m.summary["x"][1:2]) for m in fusion.matches} == {(1,)}  # Lq = 1
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
