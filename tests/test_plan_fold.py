@@ -132,6 +132,42 @@ def test_entries_of_freed_weights_are_dropped_when_the_next_is_made():
     assert not any(entry.expired() for entry in weights._cache.values())
 
 
+def test_threads_sharing_the_cache_each_get_their_own_weights_folded():
+    """Threads serving models at once: entries made, dropped and refolded concurrently (switching threads as often
+    as the interpreter allows) never break a lookup and never hand a thread another's fold."""
+    import sys
+    import threading
+
+    previous = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    errors = []
+
+    def serve(seed):
+        torch.manual_seed(seed)
+        try:
+            for i in range(150):
+                w = _weights(torch.float32)
+                if i % 3 == 0:
+                    fold_weights("layer", *w.values(), torch.float32)
+                    with torch.no_grad():
+                        w["wq"].mul_(2)  # an update in place: the next call refolds the entry
+                got = fold_weights("layer", *w.values(), torch.float32)
+                if not torch.equal(got.wq, w["wq"] * w["gamma"]):
+                    errors.append(f"thread {seed}, call {i}: another fold")
+        except Exception as e:  # noqa: BLE001 - reported below with the others
+            errors.append(f"thread {seed}: {type(e).__name__}: {e}")
+
+    try:
+        threads = [threading.Thread(target=serve, args=(seed,)) for seed in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(previous)
+    assert errors == []
+
+
 def test_plan_without_wq_folds_only_the_out_projection():
     torch.manual_seed(5)
     w = _weights(torch.float32)

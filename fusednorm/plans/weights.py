@@ -94,8 +94,9 @@ class GraphWeights:
         self._held.setdefault(id(entry), (entry, sources))
 
     def refresh(self) -> None:
-        for entry, sources in self._held.values():
-            entry.refresh(sources)
+        with _lock:
+            for entry, sources in self._held.values():
+                entry.refresh(sources)
 
     def __len__(self) -> int:
         return len(self._held)
@@ -112,6 +113,7 @@ class GraphWeights:
 
 _capture = threading.local()
 _cache: dict[tuple, _Entry] = {}
+_lock = threading.Lock()  # threads serving one model share the entries: one looks up, makes or refolds at a time
 _CACHE_LIMIT = 64
 
 
@@ -129,6 +131,11 @@ def fold_weights(norm, gamma, beta, wq, bq, wo, bo, dtype) -> FoldedWeights:
         with torch.no_grad():
             return _fold(norm, *sources, dtype)
     key = (norm, dtype, tuple(None if t is None else (t.data_ptr(), t.shape, t.stride()) for t in sources))
+    with _lock:
+        return _cached_fold(key, norm, dtype, sources, present)
+
+
+def _cached_fold(key, norm, dtype, sources, present) -> FoldedWeights:
     entry = _cache.get(key)
     if entry is not None and entry.expired():
         del _cache[key]
