@@ -11,6 +11,7 @@ shape [B, H, Lk, d] (any strides; Lk independent of Lq)::
     a = softmax(q @ k^T * scale + mask) @ v
                                       # scale defaults to d^-0.5; mask optional: bool (True = attend) or
                                       # additive, broadcastable to [B, H, Lq, Lk]; fully masked rows give 0
+                                      # (so do all rows when Lk = 0)
     o = a viewed as [B, Lq, H*d]
     y = x + (o @ Wo^T + bo)           # optional out-projection; the residual is the norm's input x
 
@@ -89,6 +90,8 @@ def reference_pre_norm_cross_attn(
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
               scale: float | None) -> torch.Tensor:
     """softmax(q @ k^T * scale + mask) @ v over [B, H, L, d] in q's dtype; fully masked rows give 0, not NaN."""
+    if k.shape[-2] == 0:  # no keys: every row is fully masked (and a max over no keys is not defined)
+        return q.new_zeros(torch.broadcast_shapes(q.shape[:-2], v.shape[:-2]) + (q.shape[-2], v.shape[-1]))
     s = (q @ k.transpose(-1, -2)) * (q.shape[-1] ** -0.5 if scale is None else scale)
     if mask is not None:
         if mask.dtype == torch.bool:

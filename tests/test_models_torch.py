@@ -41,6 +41,19 @@ def test_transformer_decoder_norm_first_with_memory_padding_mask(fusion):
     assert fusion.fused == num_layers, fusion.reasons()
 
 
+@pytest.mark.parametrize("b,lq,lk", [(B, LQ, 0), (0, LQ, LK), (B, 0, LK)], ids=["no memory", "batch 0", "no queries"])
+def test_empty_inputs_run_as_in_eager(fusion, b, lq, lk):
+    """An empty memory (no keys: every row attends to nothing, so the attention adds 0), an empty batch or no
+    queries: the fused block returns what eager does instead of failing."""
+    layer = perturb(nn.TransformerDecoderLayer(D, H, FF, dropout=0.0, batch_first=True, norm_first=True)).eval()
+    x, memory = torch.randn(b, lq, D), torch.randn(b, lk, D)
+    with torch.no_grad():
+        expected = layer(x, memory)
+        actual = fusion.compile(layer)(x, memory)
+    assert fusion.fused == 1, fusion.reasons()
+    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
+
+
 def test_transformer_decoder_post_norm_is_left_alone(fusion):
     layer = nn.TransformerDecoderLayer(D, H, FF, dropout=0.0, batch_first=True, norm_first=False)
     decoder = perturb(nn.TransformerDecoder(layer, 2)).eval()

@@ -266,6 +266,19 @@ def test_float32_runs_the_reference_with_a_warning():
     assert rel_l2(y, reference64(x, k, v, g, b, None, "layer", 1e-5, None)) < 1e-5
 
 
+@pytest.mark.parametrize("B,Lq,Lk", [(2, 5, 0), (0, 5, 7), (2, 0, 7)], ids=["no keys", "batch 0", "no queries"])
+def test_empty_inputs_run_the_reference(B, Lq, Lk):
+    """No kernel launch for an empty input; with no keys every row attends to nothing: y = x exactly."""
+    gen = torch.Generator(device=DEV).manual_seed(int.from_bytes(os.urandom(4), "little"))
+    x, k, v, g, b, _ = make_inputs(torch.bfloat16, B, Lq, Lk, 2, 64, gen=gen)
+    assert codegen.why_no_kernel(x, k, v, g, b, None, "layer") == "an input is empty"
+    before = launch.launch_count
+    y = fused(x, k, v, g, b, None, "layer")
+    assert launch.launch_count == before and y.shape == x.shape
+    if y.numel():
+        assert torch.equal(y, x)
+
+
 def test_works_under_cuda_graph_capture():
     gen = torch.Generator(device=DEV).manual_seed(int.from_bytes(os.urandom(4), "little"))
     codegen.poison_outputs = False
