@@ -176,7 +176,8 @@ def find_attentions(graph: torch.fx.Graph) -> list[AttentionSite]:
             p = a.get("dropout_p", 0.0)
             sites.append(AttentionSite(node, a.get("query"), [a.get("key"), a.get("value")],
                                        a.get("is_causal") is True, _active("scaled_dot_product_attention", p, True),
-                                       "sdpa"))
+                                       "sdpa", "scaled_dot_product_attention with enable_gqa=True (K/V with fewer "
+                                       "heads than Q) is not supported" if a.get("enable_gqa") is True else None))
         elif node.target is MHA:
             a = read_args(node) or {}
             given = [name for name in _MHA_UNSUPPORTED if a.get(name) not in (None, False)]
