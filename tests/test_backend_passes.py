@@ -92,6 +92,35 @@ def test_canonicalize_keeps_an_identity_op_that_guards_an_in_place_update():
     assert torch.equal(gm(x.clone())[0], expected)
 
 
+def test_bitwise_and_or_are_not_in_place_updates():
+    """a & b and a | b reach the graph as operator.and_ / or_ (a trailing underscore, no mutation): the identity
+    ops near them are dropped as usual, while a real &= still guards its tensor."""
+    def masks(x, m, n):
+        a = x.transpose(0, 1).contiguous()  # x first: Dynamo orders the graph's inputs by first use
+        keep = (m & n) | m
+        return torch.matmul(a, x) * keep.sum()
+
+    args = (torch.randn(4, 3), torch.rand(5) > 0.5, torch.rand(5) > 0.5)
+    gm = dynamo_graph(masks, *args)
+    expected = masks(*args)
+    passes.canonicalize.run(gm, context())
+    gm.recompile()
+    assert torch.equal(gm(*args)[0], expected)
+    assert not [n for n in gm.graph.nodes if n.op == "call_method" and n.target == "contiguous"]
+
+    def guarded(x, m, n):
+        m &= n                               # an in-place update on the graph
+        return x * m.sum()
+
+    assert canonical_is_inplace(dynamo_graph(guarded, *(t.clone() for t in args)), "iand")
+
+
+def canonical_is_inplace(gm, name):
+    from fusednorm.patterns.canonical import _is_inplace
+
+    return any(_is_inplace(n) for n in gm.graph.nodes if getattr(n.target, "__name__", "") == name)
+
+
 def test_canonicalize_keeps_a_contiguous_whose_layout_is_relied_on():
     """Dropped where values are all that matter (matmul, or a .view() that becomes a reshape), kept where the
     strides matter: a graph output, whose caller may .view() it."""

@@ -89,3 +89,17 @@ def test_the_cached_decode_step_is_fused(fusion, build):
     assert fusion.fused == decoder_layers, fusion.reasons()
     assert {tuple(m.summary["x"][1:2]) for m in fusion.matches} == {(1,)}  # Lq = 1
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("build", [whisper, t5, mbart], ids=["whisper", "t5", "mbart"])
+def test_dynamic_shapes_keep_every_block_fused(fusion, build):
+    """dynamic=True: sizes are symbols, and float attributes (T5's eps and attention scaling) graph inputs read
+    with .item(); T5 also builds its position buckets with & and +=, which must not read as mutating the
+    attention's tensors (a & b is operator.and_: a trailing underscore, no mutation)."""
+    torch.manual_seed(0)
+    model, inputs, decoder_layers = build("sdpa")
+    with torch.no_grad():
+        expected = model(**inputs).logits
+        actual = fusion.compile(model, compiler="inductor", dynamic=True)(**inputs).logits
+    assert fusion.fused >= decoder_layers and all(m.summary["dynamic"] for m in fusion.matches), fusion.reasons()
+    torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-5)

@@ -309,15 +309,20 @@ def _same_shape(a, b) -> bool:
     return all(statically_known_true(x == y) for x, y in zip(a.shape, b.shape))
 
 
+_INPLACE_OPERATORS = {operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv, operator.imod,
+                      operator.ipow, operator.iand, operator.ior, operator.ixor, operator.ilshift, operator.irshift,
+                      operator.imatmul, operator.setitem}
+
+
 def _is_inplace(node: torch.fx.Node) -> bool:
     if node.op == "call_method":
         return node.target.endswith("_") and not node.target.startswith("__")
     if node.op == "call_function":
-        name = getattr(node.target, "__name__", "")
-        if node.target in (operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.setitem):
-            return True
+        if getattr(node.target, "__module__", None) in ("_operator", "operator"):
+            return node.target in _INPLACE_OPERATORS  # operator.and_ / or_ are a & b, a | b: trailing _, no mutation
         if node.kwargs.get("inplace") is True:
             return True
+        name = getattr(node.target, "__name__", "")
         return name.endswith("_") and not name.startswith("__")
     return False
 
