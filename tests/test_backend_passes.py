@@ -92,6 +92,24 @@ def test_canonicalize_keeps_an_identity_op_that_guards_an_in_place_update():
     assert torch.equal(gm(x.clone())[0], expected)
 
 
+def test_canonicalize_keeps_a_contiguous_before_a_convolution():
+    """Only users known to read values whatever the strides let a contiguous() go: a convolution (its lowering and
+    speed depend on the layout; with dynamic shapes Inductor failed to lower a permuted input) keeps it."""
+    def conv_after_permute(x, w):
+        h = x.permute(0, 3, 1, 2).contiguous()                      # kept: a convolution reads it
+        y = F.conv2d(h, w)
+        return F.linear(y.permute(0, 2, 3, 1).contiguous(), w.flatten(1).t()[:4])  # dropped: linear takes any strides
+
+    x, w = torch.randn(2, 5, 5, 4), torch.randn(4, 4, 1, 1)
+    gm = dynamo_graph(conv_after_permute, x, w)
+    expected = conv_after_permute(x, w)
+    passes.canonicalize.run(gm, context())
+    gm.recompile()
+    assert torch.equal(gm(x, w)[0], expected)
+    kept = [n for n in gm.graph.nodes if n.op == "call_method" and n.target == "contiguous"]
+    assert len(kept) == 1 and [u.target for u in kept[0].users] == [torch.conv2d]
+
+
 def test_bitwise_and_or_are_not_in_place_updates():
     """a & b and a | b reach the graph as operator.and_ / or_ (a trailing underscore, no mutation): the identity
     ops near them are dropped as usual, while a real &= still guards its tensor."""

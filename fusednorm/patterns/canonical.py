@@ -4,7 +4,8 @@ Every rule preserves values exactly. Rules that need shapes or dtypes (dropping 
 to the same shape, a multiply by 1) only run on graphs with metadata, that is on Dynamo's graphs, not on patterns.
 An identity op is only dropped when nothing in the graph mutates the tensors it connects (a dropped
 ``contiguous()`` must not let an in-place op reach a tensor it did not reach before), and a ``contiguous()`` stays
-where its layout is relied on (a graph output, a ``.view()``).
+unless every user is known to read values whatever the strides (it stays before a graph output, a ``.view()``, a
+convolution, a custom op).
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import torch.fx
 import torch.nn.functional as F
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from .ops import LAYER_NORM, RMS_NORM, SOFTMAX, example_value, normalize_dims, rank_of
+from .ops import LAYER_NORM, LINEAR, RMS_NORM, SDPA, SOFTMAX, example_value, normalize_dims, rank_of
 
 _MATMULS = {torch.matmul, torch.bmm, operator.matmul}
 _MATMUL_METHODS = {"matmul", "bmm", "__matmul__"}
@@ -334,13 +335,32 @@ def _is_view_like(node: torch.fx.Node) -> bool:
                                            or node.target is torch.dropout)
 
 
+# Users that read a tensor's values whatever its strides: a contiguous() feeding only these can go. Anything else
+# (a convolution, whose lowering and speed depend on the layout; a custom op that requires contiguous input; a
+# .view() that stays one) keeps it, as does a graph output (the caller may .view() it).
+_VALUE_METHODS = {"reshape", "transpose", "permute", "contiguous", "to", "float", "half", "bfloat16", "double",
+                  "type_as", "matmul", "bmm", "mul", "add", "sub", "div", "true_divide", "softmax", "mean", "pow",
+                  "square", "rsqrt", "size", "dim"}
+_VALUE_FUNCTIONS = {torch.reshape, torch.transpose, torch.permute, torch.swapaxes, torch.swapdims, torch.matmul,
+                    torch.bmm, torch.baddbmm, operator.matmul, LINEAR, SDPA, SOFTMAX, torch.softmax, LAYER_NORM,
+                    RMS_NORM, torch.layer_norm, torch.rms_norm, torch.mean, torch.pow, torch.rsqrt, torch.square,
+                    operator.add, operator.sub, operator.mul, operator.truediv, torch.add, torch.sub, torch.mul,
+                    torch.div, torch.dropout, *_DROPOUTS}
+
+
 def _layout_matters(node: torch.fx.Node, use_meta: bool) -> bool:
-    """A contiguous() whose result leaves the graph (the caller may .view() it) stays, and so does one feeding a
-    .view() that will not become a reshape: there its strides, not only its values, are relied on."""
+    """Whether a contiguous() must stay: some user relies on its strides, not only on its values (see above)."""
     if node.op != "call_method" or node.target != "contiguous":
         return False
-    return any(u.op == "output" or (u.op == "call_method" and u.target in ("view", "view_as")
-                                    and _canonical_form(u, use_meta) is None) for u in node.users)
+    return not all(_reads_values_only(u, use_meta) for u in node.users)
+
+
+def _reads_values_only(user: torch.fx.Node, use_meta: bool) -> bool:
+    if user.op == "call_method":
+        if user.target in ("view", "view_as"):
+            return _canonical_form(user, use_meta) is not None  # it becomes a reshape
+        return user.target in _VALUE_METHODS
+    return user.op == "call_function" and user.target in _VALUE_FUNCTIONS
 
 
 def _mutated_aliases(graph: torch.fx.Graph) -> set[torch.fx.Node]:
