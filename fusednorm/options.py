@@ -1,6 +1,7 @@
 """Backend options: torch.compile(model, backend="fusednorm", options={...})."""
 from __future__ import annotations
 
+import numbers
 import os
 from dataclasses import dataclass, fields
 from typing import Any
@@ -56,6 +57,18 @@ class Options:
             raise ValueError(f"fusednorm: option compiler={opts.compiler!r}; expected one of {COMPILERS}")
         if opts.inductor is not None:
             _check_inductor(opts)
+        sm = opts.sm_count
+        if sm is not None:
+            if isinstance(sm, bool) or not isinstance(sm, numbers.Integral) or sm < 1:
+                raise ValueError(f"fusednorm: option sm_count={sm!r}; expected None or a whole number >= 1")
+            opts.sm_count = int(sm)  # numpy integers too; the op's schema takes a Python int
+        if opts.dump_dir is not None and not isinstance(opts.dump_dir, (str, os.PathLike)):
+            raise ValueError(f"fusednorm: option dump_dir={opts.dump_dir!r}; expected a folder path (str or Path)")
+        if opts.report is not None:
+            from .report import Report
+
+            if not isinstance(opts.report, Report):
+                raise ValueError(f"fusednorm: option report={opts.report!r}; expected a fusednorm.report.Report")
         for name in ("rewrite", "check_numerics", "cudagraphs"):
             if not isinstance(getattr(opts, name), bool):
                 raise ValueError(f"fusednorm: option {name}={getattr(opts, name)!r}; expected True or False")

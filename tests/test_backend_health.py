@@ -166,12 +166,22 @@ def test_a_block_needing_gradients_is_left_to_the_compiler_and_the_reason_says_w
     assert fusion.fused == 1
 
 
-def test_the_grad_option_is_checked():
+def test_options_are_checked_before_anything_compiles():
     from fusednorm.options import Options
 
     assert Options.from_dict({}).grad == "compiler"
     with pytest.raises(ValueError, match=r"option grad='always'; expected one of \('compiler', 'fuse'\)"):
         Options.from_dict({"grad": "always"})
+    for bad in (0, -2, "4", 2.5, True):  # each once fell through to the op's check: the graph ran unfused
+        with pytest.raises(ValueError, match=r"option sm_count=.*; expected None or a whole number >= 1"):
+            Options.from_dict({"sm_count": bad})
+    import numpy as np
+
+    assert Options.from_dict({"sm_count": np.int64(3)}).sm_count == 3
+    with pytest.raises(ValueError, match="option dump_dir=5; expected a folder path"):
+        Options.from_dict({"dump_dir": 5})
+    with pytest.raises(ValueError, match="option report='x'; expected a fusednorm.report.Report"):
+        Options.from_dict({"report": "x"})
 
 
 def test_rewrite_off_and_on():
