@@ -38,8 +38,17 @@ def rewrite(gm: torch.fx.GraphModule, example_inputs, opts: Options, report: Rep
         warn_once(msg)
         report.notes.append(msg)
         return gm
-    report.extend(ctx.report)
+    report.add_graph(ctx.report, graph_id, _dynamo_trace())
     return new_gm
+
+
+def _dynamo_trace() -> tuple | None:
+    """(compile id, attempt) of the frame Dynamo is compiling, or None outside Dynamo."""
+    try:
+        trace = torch._guards.CompileContext.current_trace_id()
+    except AttributeError:  # a torch without it: restarted compiles stay in the report twice
+        return None
+    return None if trace is None else (str(trace.compile_id), trace.attempt)
 
 
 def fusednorm_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | None = None, **kwargs):

@@ -42,12 +42,28 @@ class Report:
     notes: list[str] = field(default_factory=list)   # e.g. "a pass failed; the graph ran unfused"
     kernels: list[KernelRecord] = field(default_factory=list)  # kernels built or loaded while explaining
     graphs: int = 0                                   # graphs Dynamo made (0: not counted)
+    # per Dynamo compile (frame): its latest attempt and the graph ids of that attempt (not part of the report's facts)
+    _attempts: dict = field(default_factory=dict, repr=False, compare=False)
 
     def extend(self, other: "Report") -> None:
         self.matches += other.matches
         self.near_misses += other.near_misses
         self.notes += other.notes
         self.kernels += other.kernels
+
+    def add_graph(self, other: "Report", graph: int, trace=None) -> None:
+        """Add one compiled graph's part. ``trace``: Dynamo's (compile id, attempt) for it; when Dynamo restarts its
+        analysis of a frame (it does with dynamic=True, e.g. after specialising a float) and compiles it again, the
+        graphs of the earlier attempt were thrown away, and so is their part of the report."""
+        if trace is not None:
+            compile_id, attempt = trace
+            seen_attempt, graphs = self._attempts.get(compile_id, (attempt, []))
+            if attempt > seen_attempt:
+                self.matches = [m for m in self.matches if m.graph not in graphs]
+                self.near_misses = [n for n in self.near_misses if n.graph not in graphs]
+                seen_attempt, graphs = attempt, []
+            self._attempts[compile_id] = (seen_attempt, graphs + [graph])
+        self.extend(other)
 
     def for_graph(self, graph: int) -> "Report":
         """The part of this report about one compiled graph."""

@@ -41,6 +41,18 @@ class CrossBlock(nn.Module):
         return x + self.o(a.transpose(1, 2).reshape(b, lq, D))
 
 
+def _dynamo_graph(fn, *args) -> torch.fx.GraphModule:
+    """Dynamo's FX graph of fn (as a backend receives it)."""
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch.compile(fn, backend=capture, fullgraph=True)(*args)
+    return graphs[0]
+
+
 def inputs(b=2, lq=5, lk=7):
     return torch.randn(b, lq, D), torch.randn(b, lk, CTX)
 
@@ -105,6 +117,39 @@ def test_dynamic_true(fusion, compiler):
             assert rel_err(compiled(x, context), model(x, context)) <= 1e-4
     assert fusion.fused >= 1 and fusion.fused == len(fusion.graphs)
     assert all(m.summary["dynamic"] for m in fusion.matches)
+
+
+def test_a_compile_dynamo_restarts_is_reported_once():
+    """With dynamic=True Dynamo restarts its analysis of this decoder (after specialising its float attributes) and
+    calls the backend again for the same frame: the report keeps the attempt that was kept, not both."""
+    from fusednorm.report import Report
+
+    layer = nn.TransformerDecoderLayer(D, H, 2 * D, dropout=0.0, batch_first=True, norm_first=True)
+    decoder = nn.TransformerDecoder(layer, 3).eval()
+    calls, report = [], Report()
+
+    def counting(gm, example_inputs):
+        calls.append(gm)
+        return fusednorm_backend(gm, example_inputs, options={"report": report})
+
+    x, memory = torch.randn(2, 5, D), torch.randn(2, 7, D)
+    with torch.no_grad():
+        torch.testing.assert_close(torch.compile(decoder, backend=counting, dynamic=True)(x, memory),
+                                   decoder(x, memory), rtol=1e-4, atol=1e-5)
+    assert len(report.matches) == 3 and len({m.graph for m in report.matches}) == 1  # torch 2.13: 2 calls
+    assert len([n for n in report.near_misses if "self-attention" in n.reason]) == 3
+
+    # the same, whatever this torch's Dynamo does: two attempts of one frame, then another frame
+    from torch._guards import CompileContext, CompileId, compile_context
+
+    report, example = Report(), list(inputs())
+    with torch.no_grad():
+        gm = _dynamo_graph(CrossBlock().eval(), *example)
+        for frame, attempt in ((0, 0), (0, 1), (1, 0)):
+            with compile_context(CompileContext(CompileId(frame_id=frame, frame_compile_id=0))) as ctx:
+                ctx.attempt = attempt
+                fusednorm_backend(gm, example, options={"report": report, "compiler": "eager"})
+    assert len(report.matches) == 2 and len({m.graph for m in report.matches}) == 2  # frame 0's retry, frame 1
 
 
 def test_a_failing_pass_falls_back_with_one_warning(fusion, monkeypatch):
