@@ -97,3 +97,12 @@ def test_bad_input_on_the_direct_path_names_the_argument(device_calls):
     with pytest.raises(op.FusedNormInputError, match="wq must be"):
         call(t)
     assert device_calls == [False]
+
+
+@pytest.mark.parametrize("needs_grad", [False, True])
+def test_torch_library_opcheck_passes(needs_grad):
+    """torch's own checks of a custom op: schema, autograd registration, fake tensors, AOT dispatch."""
+    t = block(requires_grad=needs_grad)
+    args = (t["x"], t["k"], t["v"], t["gamma"], t["beta"], t["wq"], None, t["wo"], t["bo"], None, "layer", 1e-5)
+    result = torch.library.opcheck(OP, args, raise_exception=False)
+    assert set(result.values()) == {"SUCCESS"}, result
