@@ -17,6 +17,19 @@ def _fresh_dynamo():
     torch._dynamo.reset()
 
 
+def dynamo_graph(fn, *args) -> torch.fx.GraphModule:
+    """Dynamo's FX graph of fn (as a backend receives it)."""
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch.compile(fn, backend=capture, fullgraph=True)(*args)
+    (gm,) = graphs
+    return gm
+
+
 def first_tensor(out):
     """The main output of a model call (a tensor, a tuple, or a HF ModelOutput)."""
     if isinstance(out, torch.Tensor):

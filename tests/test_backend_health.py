@@ -15,7 +15,7 @@ import torch.nn.functional as F
 import fusednorm
 import fusednorm.passes as passes
 from fusednorm.backend import fusednorm_backend
-from conftest import FUSED_OP, rel_err
+from conftest import FUSED_OP, dynamo_graph, rel_err
 
 D, H, CTX = 32, 4, 24
 
@@ -39,18 +39,6 @@ class CrossBlock(nn.Module):
         a = F.scaled_dot_product_attention(split(self.q(self.norm(x))), split(self.k(context)),
                                            split(self.v(context)))
         return x + self.o(a.transpose(1, 2).reshape(b, lq, D))
-
-
-def _dynamo_graph(fn, *args) -> torch.fx.GraphModule:
-    """Dynamo's FX graph of fn (as a backend receives it)."""
-    graphs = []
-
-    def capture(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
-
-    torch.compile(fn, backend=capture, fullgraph=True)(*args)
-    return graphs[0]
 
 
 def inputs(b=2, lq=5, lk=7):
@@ -144,7 +132,7 @@ def test_a_compile_dynamo_restarts_is_reported_once():
 
     report, example = Report(), list(inputs())
     with torch.no_grad():
-        gm = _dynamo_graph(CrossBlock().eval(), *example)
+        gm = dynamo_graph(CrossBlock().eval(), *example)
         for frame, attempt in ((0, 0), (0, 1), (1, 0)):
             with compile_context(CompileContext(CompileId(frame_id=frame, frame_compile_id=0))) as ctx:
                 ctx.attempt = attempt

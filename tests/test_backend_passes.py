@@ -13,19 +13,7 @@ import fusednorm.passes.match as match_pass
 from fusednorm.options import Options
 from fusednorm.passes import PassContext
 from fusednorm.report import Report
-
-
-def dynamo_graph(fn, *args) -> torch.fx.GraphModule:
-    """Dynamo's FX graph of fn (as a backend receives it)."""
-    graphs = []
-
-    def capture(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
-
-    torch.compile(fn, backend=capture, fullgraph=True)(*args)
-    (gm,) = graphs
-    return gm
+from conftest import dynamo_graph
 
 
 def context():
