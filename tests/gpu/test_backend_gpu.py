@@ -3,6 +3,8 @@ the plan option set to "never" are left to Inductor; kernel="measure" keeps the 
 Skipped cleanly without a GPU."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.nn as nn
@@ -119,3 +121,32 @@ def test_kernel_measure_option_keeps_the_faster_of_kernel_and_compiler():
     assert (len(report.matches) == 1) == (kernel_us < choose.MARGIN * compiler_us)
     assert torch.isfinite(got).all()
     assert _rel(got, want.double()) < 2e-2
+
+
+def test_the_op_through_the_dispatcher_reaches_the_kernel_without_custom_ops_autograd_layer(monkeypatch):
+    """A plain CUDA call (no gradient needed) goes from fusednorm's AutogradCUDA kernel straight to the CUDA
+    implementation, and launches the generated kernel; one needing a gradient keeps custom_op's autograd kernel."""
+    from fusednorm import op
+
+    reached = []
+    real = op.DEVICE_IMPLS[torch._C.DispatchKey.CUDA]
+
+    def recorded(*args):
+        reached.append(torch._C._dispatch_tls_is_dispatch_key_excluded(torch._C.DispatchKey.AutogradCUDA))
+        return real(*args)
+
+    monkeypatch.setitem(op.DEVICE_IMPLS, torch._C.DispatchKey.CUDA, recorded)
+    gen = torch.Generator(device="cuda").manual_seed(int.from_bytes(os.urandom(4), "little"))
+    B, Lq, Lk, H, d = 2, 33, 77, 4, 64
+    x = torch.randn(B, Lq, H * d, device="cuda", generator=gen).bfloat16()
+    k, v = (torch.randn(B, Lk, H, d, device="cuda", generator=gen).bfloat16().transpose(1, 2) for _ in range(2))
+    gamma = (1 + 0.1 * torch.randn(H * d, device="cuda", generator=gen)).bfloat16().requires_grad_(True)
+    args = (x, k, v, gamma, None, None, None, None, None, None, "layer", 1e-5)
+    before = launch.launch_count
+    with torch.no_grad():
+        y = FUSED(*args)
+    assert reached == [False] and launch.launch_count > before  # no layer between: autograd keys not excluded
+    ref = reference_pre_norm_cross_attn(*(t.double() if isinstance(t, torch.Tensor) else t for t in args), None)
+    assert _rel(y, ref) < 1e-2
+    y = FUSED(*args)  # gamma needs a gradient: custom_op's autograd kernel, its redispatch reaches the CUDA key
+    assert y.grad_fn is not None and reached == [False]
