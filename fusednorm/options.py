@@ -20,8 +20,9 @@ class Options:
     plan: str = "never"           # blocks with projections on CUDA: "never" (left to the compiler), "measure" (the
                                   # plan where it measured faster than the compiler), "always" (plans/choose.py)
     kernel: str = "auto"          # projection-free blocks on CUDA: "auto" (the generated kernel where the block is
-                                  # memory-bound, else measured), "always" (the generated kernel), "measure" (the
-                                  # kernel where it measured faster than the compiler; plans/choose.py)
+                                  # memory-bound and fills the GPU, else measured), "always" (the generated kernel),
+                                  # "measure" (the kernel where it measured faster than the compiler;
+                                  # plans/choose.py)
     cudagraphs: bool = False      # replay each compiled graph as CUDA graphs (Inductor's cudagraph trees, what
                                   # mode="reduce-overhead" does): no host cost per call; the plan is then chosen
                                   # on GPU time alone. CUDA graphs' rules apply (static shapes, outputs reused)

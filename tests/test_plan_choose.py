@@ -39,6 +39,7 @@ def measured(monkeypatch):
         None if t is None else tuple(t.shape) for t in tensors.values())))
     monkeypatch.setattr(choose, "_timings", {})
     monkeypatch.setattr(choose, "_arch", lambda x: 90)  # the H200's ridge unless a test says otherwise
+    monkeypatch.setattr(choose, "_sm_count", lambda x: 8)  # the small shapes here fill it unless a test says so
     return calls
 
 
@@ -221,3 +222,16 @@ def test_host_time_leaves_out_a_one_off_stall(monkeypatch):
     host = choose._host_us(op, reps=20, windows=3)
     assert 200 <= host < 2000  # the steady ~0.2 ms per call, neither stall spread over the window
     assert len(calls) == 2 + 3 * 20
+
+
+def test_the_default_times_a_block_too_small_to_fill_the_gpu(measured, monkeypatch):
+    """kernel='auto': a memory-bound block with fewer (batch, head, 64-row block) units than SMs (decode at a small
+    batch) is timed like a compute-bound one; the same step at a batch that fills the GPU is not."""
+    monkeypatch.setattr(choose, "_sm_count", lambda x: 132)
+    decode_b1 = args(B=1, Lq=1, D=1280, H=20, Lk=1500, wq=False, wo=False)
+    choice = choose.decide(decode_b1, "layer", "auto")
+    assert measured == [(1, 1, 1280)] and not choice.fused
+    assert choice.reason.endswith("where the block leaves SMs idle (20 (batch, head, 64-row block) units for 132 SMs)")
+    decode_b16 = args(B=16, Lq=1, D=1280, H=20, Lk=1500, wq=False, wo=False)
+    assert choose.decide(decode_b16, "layer", "auto").fused and len(measured) == 1  # 320 units: untimed
+    assert choose.work_units(args(B=2, Lq=129, H=4, wq=False, wo=False)) == 2 * 4 * 3

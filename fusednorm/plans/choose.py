@@ -14,12 +14,14 @@ CUDA-graph replay, so neither side's host cost leaks into them. With option ``cu
 graphs, the plan's host cost is paid once at capture, and GPU time alone decides (one measurement serves both).
 
 ``kernel="auto"`` (the default for projection-free blocks) takes the generated kernel without measuring where the
-block is memory-bound, and measures where it is not. Memory-bound means at most ``ridge_flop_per_byte(arch)``
+block is memory-bound and big enough to fill the GPU, and measures where it is not. Memory-bound means at most ``ridge_flop_per_byte(arch)``
 FLOPs (QK^T and P V) per byte the kernel must move (x read, y written, k, v, the mask): there the kernel wins by what
 it does not move (the compiler's block writes and reads the normed x and the attention output, ~5 more passes
 over x), and its math is not the bottleneck. Above it the block's time is the attention's math, where the
 compiler's SDPA kernel can be faster than the generated one (2048 keys on the H200: docs/PERF.md §1), so the two
-are timed. ``"always"`` takes the kernel everywhere; ``"measure"`` times every shape. GPU time alone decides: the
+are timed. So is a block with fewer (batch, head, 64-row block) units than SMs (a decode step at batch 1: 20
+units of Whisper's on 132 SMs), whose time is latency rather than bytes (docs/PERF.md §1: the kernel 12.8 µs,
+Inductor 11.2). ``"always"`` takes the kernel everywhere; ``"measure"`` times every shape. GPU time alone decides: the
 kernel's host cost per call (~20-35 µs) is about that of the few launches the compiler's wrapper makes for the
 same block.
 
@@ -99,9 +101,12 @@ def decide(args: dict, norm: str, policy: str, host_time_counts: bool = True) ->
         if intensity is None:
             return Choice(True, "the kernel (option kernel='auto', the default: dynamic shapes, not measured)")
         ridge = ridge_flop_per_byte(_arch(tensors["x"]))
-        if intensity <= ridge:
+        units, sms = work_units(tensors), _sm_count(tensors["x"])
+        if intensity <= ridge and units >= sms:
             return Choice(True, f"the kernel (option kernel='auto', the default: memory-bound, {intensity:.0f} "
                                 f"FLOP/byte <= {ridge:.0f})")
+        why = (f"the block is not memory-bound ({intensity:.0f} FLOP/byte > {ridge:.0f})" if intensity > ridge
+               else f"the block leaves SMs idle ({units} (batch, head, 64-row block) units for {sms} SMs)")
     if dynamic:
         return Choice(False, f"left to the compiler: dynamic shapes (the {what} is chosen by measuring a fixed shape)")
     key = _key(tensors, norm, args["scale"])
@@ -114,14 +119,24 @@ def decide(args: dict, norm: str, policy: str, host_time_counts: bool = True) ->
     else:
         hit = _verdict(*timed, what=what, host_time_counts=host_time_counts)
     if policy == "auto":
-        return Choice(hit.fused, f"{hit.reason}; timed as option kernel='auto' does where the block is not "
-                                 f"memory-bound ({intensity:.0f} FLOP/byte > {ridge:.0f})")
+        return Choice(hit.fused, f"{hit.reason}; timed as option kernel='auto' does where {why}")
     return hit
 
 
 def ridge_flop_per_byte(arch: int) -> float:
     """FLOPs per byte above which a block on this arch (major * 10 + minor) is timed rather than given the kernel."""
     return RIDGES.get(arch, UNMEASURED_RIDGE)
+
+
+def work_units(tensors: dict) -> int:
+    """The block's independent pieces of work, (batch, head, 64-row block): fewer than the SMs (a decode step at a
+    small batch) and the kernel's time is latency, not bytes, and the compiler's kernels may be as fast."""
+    B, Lq, _ = tensors["x"].shape
+    return B * tensors["k"].shape[1] * -(-Lq // 64)
+
+
+def _sm_count(x) -> int:
+    return torch.cuda.get_device_properties(x.device).multi_processor_count
 
 
 def _arch(x) -> int:
