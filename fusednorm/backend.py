@@ -78,8 +78,19 @@ def fusednorm_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | 
         patches = {k: v for k, v in (opts.inductor or {}).items() if k != "triton.cudagraphs"}  # that one: `graphs`
         if graphs:
             patches["triton.cudagraphs"] = True
-        compiled = compile_fx(gm, example_inputs, config_patches=patches or None)
+        compiled = compile_fx(gm, example_inputs, config_patches=patches or None, decompositions=_decompositions())
     return _holding_folded_weights(compiled) if graphs and _has_fused_node(gm) else compiled
+
+
+def _decompositions() -> dict:
+    """Inductor's own table, plus the fused op's math where it has no kernel (CPU): Inductor then compiles the
+    matched block's reference inline, as fast as its code for the unfused block; on CUDA the op stays."""
+    from torch._inductor.decomposition import select_decomp_table
+
+    from .op import inline_on_cpu
+    from .passes.rewrite import FUSED_OP
+
+    return {**select_decomp_table(), FUSED_OP: inline_on_cpu}
 
 
 def _has_cuda_input(example_inputs) -> bool:

@@ -128,6 +128,16 @@ def _pre_norm_cross_attn_cuda(x, k, v, gamma, beta, wq, bq, wo, bo, mask, norm, 
                                     check_numerics)
 
 
+def inline_on_cpu(x, k, v, gamma, beta, wq, bq, wo, bo, mask, norm, eps, scale=None, sm_count=None,
+                  check_numerics=False):
+    """The op as its reference math, for Inductor to compile inline where fusednorm has no kernel (CPU tensors):
+    run as an opaque op the reference is slower than Inductor's own code for the block (README). NotImplemented
+    keeps the op: on CUDA, and with check_numerics, whose error only the op raises."""
+    if x.device.type != "cpu" or check_numerics:
+        return NotImplemented
+    return reference_pre_norm_cross_attn(x, k, v, gamma, beta, wq, bq, wo, bo, mask, norm, eps, scale)
+
+
 # Registered on the op's CUDA key directly rather than through ``register_kernel("cuda")``: that wraps the kernel
 # in a Python layer of custom_op's (aliasing checks, a dynamo-disable guard) that cost ~36 µs per call on the H200
 # host (docs/PERF.md) and checks nothing the fake impl does not already promise: a fresh, contiguous output.

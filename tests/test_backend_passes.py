@@ -179,8 +179,9 @@ def test_what_runs_on_cuda(monkeypatch):
         "CUDA projection plan: measured 1, host False", None)  # replayed as CUDA graphs: host time does not count
     assert match_pass._what_runs({**args, "k": 2}, "layer", "never", "measure") == (
         "left to the compiler", "measured 2, host True")
-    assert match_pass._what_runs({**args, "x": types.SimpleNamespace(device=torch.device("cpu"))},
-                                 "layer") == ("reference", None)
+    on_cpu = {**args, "x": types.SimpleNamespace(device=torch.device("cpu"))}
+    assert match_pass._what_runs(on_cpu, "layer") == ("reference, compiled inline by Inductor", None)
+    assert match_pass._what_runs(on_cpu, "layer", compiler="eager") == ("reference", None)
 
 
 class Block(nn.Module):
@@ -195,7 +196,7 @@ class Block(nn.Module):
 
 
 def test_a_block_without_a_fast_path_is_left_to_the_compiler(fusion, monkeypatch):
-    monkeypatch.setattr(match_pass, "_what_runs", lambda args, norm, plan, kernel, cudagraphs: (
+    monkeypatch.setattr(match_pass, "_what_runs", lambda args, norm, plan, kernel, cudagraphs, compiler: (
         "left to the compiler", "no fused CUDA kernel/plan for this block: no kernel for d=8"))
     model = Block().eval()
     x, c = torch.randn(2, 3, 16), torch.randn(2, 5, 16)

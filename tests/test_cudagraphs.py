@@ -10,6 +10,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 import fusednorm
 from fusednorm.backend import fusednorm_backend
 from fusednorm.options import Options
+from fusednorm.passes.rewrite import FUSED_OP
 from fusednorm.plans import weights
 from test_backend_health import CrossBlock, inputs
 
@@ -26,8 +27,9 @@ def test_the_option_is_off_by_default_and_checked():
 def compile_fx_calls(monkeypatch):
     calls = []
 
-    def compile_fx(gm, example_inputs, config_patches=None):
+    def compile_fx(gm, example_inputs, config_patches=None, decompositions=None):
         calls.append(config_patches)
+        assert FUSED_OP in decompositions and len(decompositions) > 1  # Inductor's table and the op's, for the CPU
 
         def compiled(args):  # what it runs does not matter here, only under which capture context
             return getattr(weights._capture, "held", None), len(args)

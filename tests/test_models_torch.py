@@ -66,11 +66,24 @@ def test_transformer_decoder_post_norm_is_left_alone(fusion):
     assert len(post) == 2 * 2  # self- and cross-attention in each of the 2 layers
 
 
-def test_transformer_decoder_layer_under_inductor(fusion):
+@pytest.mark.parametrize("compiler", ["inductor", "eager"])
+def test_on_the_cpu_inductor_compiles_the_fused_blocks_math_inline(fusion, compiler, monkeypatch):
+    """No CPU kernel: run as an opaque op the reference is slower than Inductor's code for the block, so under
+    Inductor the op is decomposed into its reference math and compiled with the rest (no call of the op at run
+    time); with compiler="eager" the op itself runs. Either way the block is matched, reported and correct."""
+    from fusednorm import op
+
+    calls = []
+    cpu_impl = op.DEVICE_IMPLS[torch._C.DispatchKey.CPU]
+    monkeypatch.setitem(op.DEVICE_IMPLS, torch._C.DispatchKey.CPU, lambda *a: calls.append(a) or cpu_impl(*a))
     layer = perturb(nn.TransformerDecoderLayer(D, H, FF, dropout=0.0, batch_first=True, norm_first=True)).eval()
     x, memory = decoder_inputs(True)
     with torch.no_grad():
         expected = layer(x, memory)
-        actual = fusion.compile(layer, compiler="inductor")(x, memory)
+        actual = fusion.compile(layer, compiler=compiler)(x, memory)
     assert fusion.fused == 1
     assert rel_err(actual, expected) <= 1e-4
+    if compiler == "inductor":
+        assert calls == [] and fusion.matches[0].runs == "reference, compiled inline by Inductor"
+    else:
+        assert len(calls) == 1 and fusion.matches[0].runs == "reference"
