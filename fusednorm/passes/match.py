@@ -127,7 +127,8 @@ def attempt(pattern: Pattern, anchor: torch.fx.Node, space: HintSpace,
 
 NEEDS_GRAD = ("left to the compiler: the block's output needs a gradient (grad enabled, an input requires grad) and "
               "the fused op's backward recomputes the block unfused in float32, slower than the compiler's; run "
-              "inference under torch.no_grad() or torch.inference_mode(), or options={'grad': 'fuse'} to fuse it anyway")
+              "inference under torch.no_grad() or torch.inference_mode(), or options={'grad': 'fuse'} to fuse it "
+              "anyway")
 
 
 def _check(pattern: Pattern, sm: StructuralMatch, space: HintSpace, order, options: Options) -> Candidate | Failure:

@@ -14,16 +14,16 @@ CUDA-graph replay, so neither side's host cost leaks into them. With option ``cu
 graphs, the plan's host cost is paid once at capture, and GPU time alone decides (one measurement serves both).
 
 ``kernel="auto"`` (the default for projection-free blocks) takes the generated kernel without measuring where the
-block is memory-bound and big enough to fill the GPU, and measures where it is not. Memory-bound means at most ``ridge_flop_per_byte(arch)``
-FLOPs (QK^T and P V) per byte the kernel must move (x read, y written, k, v, the mask): there the kernel wins by what
-it does not move (the compiler's block writes and reads the normed x and the attention output, ~5 more passes
-over x), and its math is not the bottleneck. Above it the block's time is the attention's math, where the
-compiler's SDPA kernel can be faster than the generated one (2048 keys on the H200: docs/PERF.md §1), so the two
-are timed. So is a block with fewer (batch, head, 64-row block) units than SMs (a decode step at batch 1: 20
-units of Whisper's on 132 SMs), whose time is latency rather than bytes (docs/PERF.md §1: the kernel 12.8 µs,
-Inductor 11.2). ``"always"`` takes the kernel everywhere; ``"measure"`` times every shape. GPU time alone decides: the
-kernel's host cost per call (~20-35 µs) is about that of the few launches the compiler's wrapper makes for the
-same block.
+block is memory-bound and big enough to fill the GPU, and measures where it is not. Memory-bound means at most
+``ridge_flop_per_byte(arch)`` FLOPs (QK^T and P V) per byte the kernel must move (x read, y written, k, v, the
+mask): there the kernel wins by what it does not move (the compiler's block writes and reads the normed x and the
+attention output, ~5 more passes over x), and its math is not the bottleneck. Above it the block's time is the
+attention's math, where the compiler's SDPA kernel can be faster than the generated one (2048 keys on the H200:
+docs/PERF.md §1), so the two are timed. So is a block with fewer (batch, head, 64-row block) units than SMs (a
+decode step at batch 1: Whisper's 20 units on 132 SMs), whose time is latency rather than bytes (docs/PERF.md §1:
+the kernel 12.8 µs, Inductor 11.2). ``"always"`` takes the kernel everywhere; ``"measure"`` times every shape. GPU
+time alone decides: the kernel's host cost per call (~20-35 µs) is about that of the few launches the compiler's
+wrapper makes for the same block.
 
 The measurement runs in a worker thread: the backend is called inside Dynamo's compile, whose tracing context
 and fake mode are thread-local, so the nested Inductor compile of the reference block sees neither.
