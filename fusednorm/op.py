@@ -128,12 +128,18 @@ def _pre_norm_cross_attn_cuda(x, k, v, gamma, beta, wq, bq, wo, bo, mask, norm, 
                                     check_numerics)
 
 
+def inlined_for_inductor(device_type: str, check_numerics: bool) -> bool:
+    """Whether Inductor compiles the op's reference math inline (``inline_on_cpu``) rather than calling the op:
+    on CPU tensors, where fusednorm has no kernel, unless check_numerics asks for the error only the op raises."""
+    return device_type == "cpu" and not check_numerics
+
+
 def inline_on_cpu(x, k, v, gamma, beta, wq, bq, wo, bo, mask, norm, eps, scale=None, sm_count=None,
                   check_numerics=False):
     """The op as its reference math, for Inductor to compile inline where fusednorm has no kernel (CPU tensors):
     run as an opaque op the reference is slower than Inductor's own code for the block (README). NotImplemented
-    keeps the op: on CUDA, and with check_numerics, whose error only the op raises."""
-    if x.device.type != "cpu" or check_numerics:
+    keeps the op everywhere else (see ``inlined_for_inductor``)."""
+    if not inlined_for_inductor(x.device.type, check_numerics):
         return NotImplemented
     return reference_pre_norm_cross_attn(x, k, v, gamma, beta, wq, bq, wo, bo, mask, norm, eps, scale)
 

@@ -182,6 +182,7 @@ def test_what_runs_on_cuda(monkeypatch):
     on_cpu = {**args, "x": types.SimpleNamespace(device=torch.device("cpu"))}
     assert match_pass._what_runs(on_cpu, "layer") == ("reference, compiled inline by Inductor", None)
     assert match_pass._what_runs(on_cpu, "layer", compiler="eager") == ("reference", None)
+    assert match_pass._what_runs(on_cpu, "layer", check_numerics=True) == ("reference", None)  # the op's own check
 
 
 class Block(nn.Module):
@@ -196,7 +197,7 @@ class Block(nn.Module):
 
 
 def test_a_block_without_a_fast_path_is_left_to_the_compiler(fusion, monkeypatch):
-    monkeypatch.setattr(match_pass, "_what_runs", lambda args, norm, plan, kernel, cudagraphs, compiler: (
+    monkeypatch.setattr(match_pass, "_what_runs", lambda args, norm, plan, kernel, cudagraphs, compiler, check: (
         "left to the compiler", "no fused CUDA kernel/plan for this block: no kernel for d=8"))
     model = Block().eval()
     x, c = torch.randn(2, 3, 16), torch.randn(2, 5, 16)

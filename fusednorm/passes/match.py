@@ -160,7 +160,7 @@ def _check(pattern: Pattern, sm: StructuralMatch, space: HintSpace, order, optio
     if options.grad == "compiler" and _needs_grad(sm.anchor):
         return Failure(pattern.name, NEEDS_GRAD, roles, 5)
     runs, no_kernel = _what_runs(args, pattern.norm, options.plan, options.kernel, options.cudagraphs,
-                                 options.compiler)
+                                 options.compiler, options.check_numerics)
     if no_kernel:
         return Failure(pattern.name, no_kernel, roles, 5)
     return Candidate(pattern, sm.anchor, dict(sm.values), sm.owned, roles, args, runs)
@@ -185,11 +185,14 @@ def _check_output(pattern: Pattern, args, anchor, space: HintSpace) -> None:
 
 
 def _what_runs(args, norm, plan: str = "never", kernel: str = "auto", cudagraphs: bool = False,
-               compiler: str = "inductor") -> tuple[str, str | None]:
+               compiler: str = "inductor", check_numerics: bool = False) -> tuple[str, str | None]:
     """('reference' | 'generated CUDA kernel' | 'CUDA projection plan ...', why it is left to the compiler or None)."""
     x = args["x"]
-    if x.device.type != "cuda":  # Inductor compiles the reference's math inline there (backend._decompositions)
-        return ("reference, compiled inline by Inductor" if compiler == "inductor" else "reference"), None
+    if x.device.type != "cuda":
+        from ..op import inlined_for_inductor
+
+        inline = compiler == "inductor" and inlined_for_inductor(x.device.type, check_numerics)  # backend's table
+        return ("reference, compiled inline by Inductor" if inline else "reference"), None
     try:
         from ..dispatch import why_not_fast
 
