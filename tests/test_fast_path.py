@@ -53,6 +53,9 @@ class FakeGPU:
                                              maps=maps))
         if self.fill is not None:  # the output lives in host memory here: write it as the kernel would
             ctypes.memmove(pointers[1], self.fill.data_ptr(), self.fill.numel() * self.fill.element_size())
+        if pointers[11]:  # the plan's stage copies x (bf16/fp16) for the out GEMM
+            B, Lq, D = tail[11], tail[12], tail[15]
+            ctypes.memmove(pointers[11], pointers[0], B * Lq * D * 2)
         if self.set_flag and pointers[7]:  # the kernel writes the flag it was handed
             ctypes.memmove(pointers[7], ctypes.byref(ctypes.c_int32(1)), 4)
 
@@ -138,7 +141,7 @@ def test_a_repeated_signature_skips_the_checks_and_launches_with_its_own_pointer
     assert (gpu.checks, gpu.why_calls, gpu.family_calls, len(gpu.launches)) == (1, 1, 1, 2)
     first, second = gpu.launches
     assert second.pointers == (ptrs(t["x"]), y2.data_ptr(), ptrs(t["k"]), ptrs(t["v"]), ptrs(t["gamma"]),
-                               ptrs(t["beta"]), 0, 0, 0, 0, 0)
+                               ptrs(t["beta"]), 0, 0, 0, 0, 0, 0)
     assert second.pointers[1] != first.pointers[1]
     assert (second.kernel, second.grid, second.tail, second.stream) == (first.kernel, first.grid, first.tail, 1000)
     assert y2.shape == y1.shape == t["x"].shape and y2.dtype == BF16 and y2.is_contiguous()
@@ -407,7 +410,8 @@ def test_a_repeated_plan_signature_skips_the_checks_and_the_stage_planning(gpu):
     miss, hit = gpu.launches
     assert hit.kernel is miss.kernel and hit.tail == miss.tail and hit.grid == miss.grid
     assert hit.pointers[0] == t2["x"].data_ptr() and hit.pointers[8] != 0  # its own x, and a qraw
-    assert hit.pointers[9:] == miss.pointers[9:] != (0, 0)  # u and b': folded once, from the weight cache
+    assert hit.pointers[9:11] == miss.pointers[9:11] != (0, 0)  # u and b': folded once, from the weight cache
+    assert hit.pointers[11] == y.data_ptr()  # the stage copies x into y, which the out GEMM then adds to in place
     expected = t2["x"].float() + o[..., :Dq].float() @ w["wo"].float().t() + w["bo"].float()
     torch.testing.assert_close(y.float(), expected, atol=3e-2, rtol=2e-2)
 
@@ -430,7 +434,7 @@ def test_a_weight_updated_in_place_is_folded_again_on_a_hit(gpu):
     assert gpu.checks == 1 and len(gpu.launches) == 3
     first, second, third = gpu.launches
     # the same buffers (a captured graph reads them by address), folded again from the new Wq
-    assert first.pointers[9:] == second.pointers[9:] == third.pointers[9:]
+    assert first.pointers[9:11] == second.pointers[9:11] == third.pointers[9:11]
     torch.testing.assert_close(_folded_u(w, t), _u_from(w, t))
 
 
@@ -440,14 +444,14 @@ def test_a_captured_plan_folds_inside_the_graph_unless_its_weights_are_held(gpu,
     current."""
     t, w = plan_inputs()
     run_plan_op(t, w)  # eager: the weights are folded and kept
-    kept = gpu.launches[-1].pointers[9:]
+    kept = gpu.launches[-1].pointers[9:11]
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     run_plan_op(t, w)
-    assert gpu.launches[-1].pointers[9:] != kept  # recorded fold: buffers of the capture's own
+    assert gpu.launches[-1].pointers[9:11] != kept  # recorded fold: buffers of the capture's own
     held = plans.weights.GraphWeights()
     with held.capture():
         run_plan_op(t, w)
-    assert gpu.launches[-1].pointers[9:] == kept and len(held) == 1
+    assert gpu.launches[-1].pointers[9:11] == kept and len(held) == 1
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     with torch.no_grad():
         w["wq"].mul_(2)  # between replays: the op does not run, refresh() re-folds in place
@@ -459,7 +463,7 @@ def test_a_captured_plan_folds_inside_the_graph_unless_its_weights_are_held(gpu,
     with held.capture():  # a later capture after an update that nothing refreshed: the fold is recorded
         monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
         run_plan_op(t, w)
-    assert gpu.launches[-1].pointers[9:] != kept
+    assert gpu.launches[-1].pointers[9:11] != kept
 
 
 @pytest.mark.parametrize("change", ["no bias", "wq strides", "bo dtype", "mask"])

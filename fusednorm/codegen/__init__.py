@@ -169,6 +169,7 @@ class StageIO:
     q_u: torch.Tensor | None = None   # [H * d] float32, Wq' @ 1 (LayerNorm)
     q_b: torch.Tensor | None = None   # [H * d] float32, Wq @ beta + bq
     o_cols: int = 0                   # > 0: return o as [B, Lq, o_cols] (no residual); past H * d, a ones column
+    x_copy: torch.Tensor | None = None  # with o_cols: [B * Lq, D], contiguous, receives a copy of x (the out GEMM's C)
 
 
 def run_kernel(x, k, v, gamma, beta, mask, norm, eps, scale, sm_count, check_numerics, call_key=None, stage=None):
@@ -352,10 +353,13 @@ def _tma_maps(tile, x: torch.Tensor, k: torch.Tensor, v: torch.Tensor, y: torch.
 
 
 def _stage_pointers(stage: StageIO | None) -> tuple:
-    if stage is None or stage.qraw is None:
-        return 0, 0, 0
+    if stage is None:
+        return 0, 0, 0, 0
+    x_copy = stage.x_copy.data_ptr() if stage.x_copy is not None and stage.o_cols else 0
+    if stage.qraw is None:
+        return 0, 0, 0, x_copy
     return (stage.qraw.data_ptr(), stage.q_u.data_ptr() if stage.q_u is not None else 0,
-            stage.q_b.data_ptr())
+            stage.q_b.data_ptr(), x_copy)
 
 
 def _raise_if_flagged(flag: torch.Tensor, key: str) -> None:

@@ -14,11 +14,11 @@ import torch
 from .cache import CompiledKernel
 from .spec import KernelSpec
 
-# The kernel's first argument, ``struct Params`` in templates/pnca.cu: 11 pointers, 11 int64 strides, 10 int32
+# The kernel's first argument, ``struct Params`` in templates/pnca.cu: 12 pointers, 11 int64 strides, 10 int32
 # sizes, 2 floats. The template static_asserts the same size.
-PARAMS = struct.Struct("<11Q11q10i2f")
-POINTERS = 11
-assert PARAMS.size == 224
+PARAMS = struct.Struct("<12Q11q10i2f")
+POINTERS = 12
+assert PARAMS.size == 232
 MAPS_BYTES = 512  # the second argument, ``struct TmaMaps``: four 128-byte tensor maps (x, k, v, y), read by tma tiles
 
 launch_count = 0  # kernels launched by this process; tests read it to prove the generated kernel ran

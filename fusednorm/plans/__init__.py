@@ -3,8 +3,9 @@
     1. qraw = x @ Wq'^T                cuBLAS (torch.mm, float32 out); the norm is folded into Wq' (weights.py)
     2. attention stage                 the generated kernel in its stage mode: row statistics of x,
                                        q = rstd * (qraw - mean * u) + b', softmax(q k^T * scale + mask) v -> o,
-                                       and a ones column after o that carries bo through the out GEMM
-    3. y = x + [o, 1] @ [Wo, bo]^T     cuBLAS addmm with the residual as C (beta = 1)
+                                       a ones column after o that carries bo through the out GEMM, and
+                                       (its statistics pass reads all of x) a copy of x into y
+    3. y += [o, 1] @ [Wo, bo]^T        cuBLAS addmm in place: the residual is C (beta = 1) with no copy kernel
 Without Wq, stage 2 normalises x itself (as the projection-free kernel does) and stage 1 is skipped; without Wo,
 stage 2 adds the residual and stage 3 is skipped. Why float32 qraw: plan.py.
 
@@ -60,6 +61,9 @@ def run_plan(x, k, v, gamma, beta, wq, bq, wo, bo, mask, norm, eps, scale, sm_co
         gamma = beta = None  # folded into Wq'
     if wo is not None:
         stage.o_cols = folded.o_cols
+        stage.x_copy = y2 = torch.empty_like(x2)  # addmm(x, ..) would copy x here with a kernel of its own
+        if codegen.poison_outputs:
+            y2.fill_(float("nan"))
     if stage_call is not None:
         o = codegen.launch_call(stage_call, x, k, v, gamma, beta, mask, stage)
     else:
@@ -67,7 +71,7 @@ def run_plan(x, k, v, gamma, beta, wq, bq, wo, bo, mask, norm, eps, scale, sm_co
                                stage=stage)
     if wo is None:
         return o  # the stage added the residual
-    y = torch.addmm(x2, o.view(B * Lq, folded.o_cols), folded.wo.t()).view(B, Lq, D)
+    y = y2.addmm_(o.view(B * Lq, folded.o_cols), folded.wo.t()).view(B, Lq, D)
     if check_numerics:
         from ..numerics import raise_if_not_finite
 

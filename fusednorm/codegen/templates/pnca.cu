@@ -1,7 +1,8 @@
 // Pre-norm cross-attention: y = x + MHA(norm(x) split into heads, k, v), and the attention stage of the projection
 // plan (fusednorm/plans): with Q_FROM_QRAW the queries come from qraw = x @ Wq'^T (float32, the norm folded into Wq',
 // so q = rstd * (qraw - mean * u) + b'), and with WRITE_O the kernel writes o (no residual; the out GEMM adds it),
-// plus, when asked, a ones column after the last head that carries bo through the out GEMM.
+// plus, when asked, a ones column after the last head that carries bo through the out GEMM, and a copy of x (the
+// statistics pass reads every element of x once: storing it there costs no read).
 //
 // A CTA works through work items (batch b, a block of BLOCK_M query rows, a group of heads), dealt round-robin over
 // a persistent grid, so the result never depends on the grid size. The CTA's whole share is one flat sequence of
@@ -40,6 +41,8 @@ struct Params {
   const float* qraw;   // [B * Lq, q_ld] (Q_FROM_QRAW only)
   const float* q_u;    // [H * d]: Wq' @ 1, multiplies the row mean (Q_FROM_QRAW with LayerNorm only)
   const float* q_b;    // [H * d]: Wq @ beta + bq (Q_FROM_QRAW only)
+  u16* x_copy;         // [B, Lq, D] or null (WRITE_O only): x, written by the statistics pass as the out GEMM's C,
+                       // which adds the residual in place: the plan then needs no copy kernel (one read of x fewer)
   long long k_sb, k_sh, k_sl;
   long long v_sb, v_sh, v_sl;
   long long m_sb, m_sh, m_sq;  // the key stride is 1 (run_kernel makes it so)
@@ -50,7 +53,7 @@ struct Params {
   float eps;
   float scale_log2;            // the softmax scale times log2(e): scores are exponentiated as exp2(s * scale_log2 - m)
 };
-static_assert(sizeof(Params) == 224, "Params must match the packing in fusednorm/codegen/launch.py");
+static_assert(sizeof(Params) == 232, "Params must match the packing in fusednorm/codegen/launch.py");
 
 // The kernel's second argument: tensor maps of x [B, Lq, D], k and v [B, H, Lk, d] as strided (USE_TMA only; every
 // kernel takes the argument, so that all launch alike), and of y [B, Lq, y_ld]. Boxes of 64 columns by BLOCK_M
@@ -269,8 +272,8 @@ FN_INLINE void row_statistics_exact(const Params& p, const u16* x_batch, int row
 constexpr int STAT_GROUPS = MIN_CTAS_PER_SM > 1 ? 4 : 8;
 constexpr int STAT_WARPS = KEY_SPLIT > 1 ? WARPS : 1;
 
-FN_INLINE void row_statistics(const Params& p, const u16* x_batch, int row0, float* mean_s, float* rstd_s,
-                              float* partial_s, int warp, int lane) {
+FN_INLINE void row_statistics(const Params& p, const u16* x_batch, u16* copy_batch, int row0, float* mean_s,
+                              float* rstd_s, float* partial_s, int warp, int lane) {
   const int D = p.model_dim, g = lane >> 2, t = lane & 3;
   const u32 ones = pack2_elem(1.f, 1.f);
   bool redo = false;
@@ -290,6 +293,16 @@ FN_INLINE void row_statistics(const Params& p, const u16* x_batch, int row0, flo
         const bool in = c + t * 8 < D;  // D is a multiple of 8: a chunk is wholly in or out
         va[j] = live_a && in ? ld_global16(xa + c) : u32x4{0u, 0u, 0u, 0u};
         vb[j] = live_b && in ? ld_global16(xb + c) : u32x4{0u, 0u, 0u, 0u};
+      }
+      if (WRITE_O && copy_batch != nullptr) {  // the plan's residual, for the out GEMM (see Params::x_copy)
+        u16* ca = copy_batch + (long long)qa * D + t * 8;
+#pragma unroll
+        for (int j = 0; j < STAT_GROUPS; ++j) {
+          const int c = c0 + j * STAT_WARPS * 32;
+          if (c + t * 8 >= D) break;
+          if (live_a) st_global16(ca + c, va[j]);
+          if (live_b) st_global16(ca + 8LL * D + c, vb[j]);
+        }
       }
 #pragma unroll
       for (int j = 0; j < STAT_GROUPS; ++j) {
@@ -1093,9 +1106,12 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS_PER_SM)
     const bool head_first = ONE_TILE || cur.tile == 0;  // compile-time true with ONE_TILE: nothing is carried
     const bool head_last = ONE_TILE || cur.tile == key_tiles - 1;
     if (head_first) {  // a new head (the accumulators of the last one are dead here, which saves registers)
-      if (cur.head_in_item == 0 && warp_rows)  // a new item: statistics of this warp's rows
-        row_statistics(p, p.x + (long long)cur.b * p.q_len * p.model_dim, row0, row_mean, row_rstd, stat_parts, warp,
-                       lane);
+      if (cur.head_in_item == 0 && warp_rows) {  // a new item: statistics of this warp's rows
+        const long long batch_off = (long long)cur.b * p.q_len * p.model_dim;
+        // items of the later head groups hold the same rows: the first group's copies them
+        u16* copy_batch = WRITE_O && p.x_copy != nullptr && cur.head == 0 ? p.x_copy + batch_off : nullptr;
+        row_statistics(p, p.x + batch_off, copy_batch, row0, row_mean, row_rstd, stat_parts, warp, lane);
+      }
 #pragma unroll
       for (int mt = 0; mt < M_TILES && !ONE_TILE; ++mt) {  // ONE_TILE: attend_tile starts them (Lk >= 1)
 #pragma unroll

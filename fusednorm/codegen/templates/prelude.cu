@@ -78,6 +78,8 @@ FN_INLINE void st_shared4(u32 addr, u32 v) {
   asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(v) : "memory");
 }
 
+FN_INLINE void st_global16(void* p, u32x4 v) { *reinterpret_cast<u32x4*>(p) = v; }
+
 // The output is written once and not read again by this kernel: evict-first keeps x and K/V in L2.
 FN_INLINE void st_global16_stream(void* p, u32x4 v) {
   asm volatile("st.global.cs.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w));
