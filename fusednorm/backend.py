@@ -18,11 +18,21 @@ last_report = Report()   # what the most recent compile did (fusednorm.explain m
 
 
 def _copy(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
-    """A GraphModule with its own graph (nodes' meta copied shallowly) over the same parameters and submodules."""
+    """A GraphModule with its own graph (nodes' meta copied shallowly) over the same parameters and submodules,
+    keeping what Dynamo tells AOTAutograd beside the graph (its meta, the parameters' and placeholders' sources):
+    without it AOTAutograd finds no static inputs, and CUDA graphs copy every parameter in before each replay."""
     graph = torch.fx.Graph()
-    out = graph.graph_copy(gm.graph, {}, return_output_node=True)
+    old_to_new: dict = {}
+    out = graph.graph_copy(gm.graph, old_to_new, return_output_node=True)
     graph.output(out[0] if isinstance(out, tuple) else out)
-    return torch.fx.GraphModule(gm, graph)
+    copy = torch.fx.GraphModule(gm, graph)
+    copy.meta.update(gm.meta)
+    if hasattr(gm, "_param_name_to_source"):
+        copy._param_name_to_source = gm._param_name_to_source
+    for old, new in old_to_new.items():
+        if hasattr(old, "_dynamo_source"):
+            new._dynamo_source = old._dynamo_source
+    return copy
 
 
 def rewrite(gm: torch.fx.GraphModule, example_inputs, opts: Options, report: Report) -> torch.fx.GraphModule:

@@ -143,3 +143,30 @@ def test_dynamo_calls_the_holding_wrapper_as_it_called_the_compiled_graph(monkey
         with torch.no_grad():
             torch.testing.assert_close(compiled(x, ctx), model(x, ctx), rtol=1e-5, atol=1e-5)
     assert len(wrapped) == 1 and refreshed == [wrapped[0].held_weights] * 2
+
+
+def test_the_rewritten_graph_keeps_dynamos_static_inputs(monkeypatch):
+    """AOTAutograd takes the inputs a CUDA graph may keep in place (the parameters) from what Dynamo leaves on the
+    graph module; the rewrite's copy must keep it, or every replay copies every parameter in first."""
+    import torch._functorch.aot_autograd as aot
+
+    found = []
+    real = aot._try_get_metadata_from_dynamo
+
+    def spy(*args, **kwargs):
+        result = real(*args, **kwargs)
+        found.append(result[1])
+        return result
+
+    monkeypatch.setattr(aot, "_try_get_metadata_from_dynamo", spy)
+    torch.manual_seed(0)
+    model = CrossBlock()
+    x, ctx = inputs()
+    for backend in ("inductor", "fusednorm"):
+        torch._dynamo.reset()
+        with torch.no_grad():
+            torch.compile(model, backend=backend)(x, ctx)
+    assert fusednorm.backend.last_report.matches, "the block was not matched"
+    n_params = len(list(model.parameters()))
+    assert len(found) == 2 and len(found[0]) >= n_params, found
+    assert found[1] == found[0]  # the same static inputs as Inductor alone finds
