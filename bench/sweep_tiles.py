@@ -62,7 +62,9 @@ DEFAULT_SHAPES = "seed,sdxl64,sd15_64,t5_dec,whisper_dec,whisper_pre"
 SHAPES = {**SHAPES, "base_mid": (16, 96, 1024, 16, 300),  # sweep only: a shape the "base" role takes
           "pre_many": (16, 1792, 1280, 20, 1500),  # many_keys or long: Whisper prefill's keys, 4x its rows,
           "lk2048_few": (4, 448, 1024, 16, 2048),  # and Lk 2048 with few rows
-          "dec16": (16, 1, 1280, 20, 1500)}  # Whisper decode at batch 16: items fill about half the GPU
+          "dec16": (16, 1, 1280, 20, 1500),  # Whisper decode at batch 16: items fill about half the GPU
+          "dec4": (4, 1, 1280, 20, 1500), "dec1": (1, 1, 1280, 20, 1500),  # and at batch 4 and 1
+          "dec1_base": (1, 1, 512, 8, 1500)}  # Whisper-base decode at batch 1: 8 (batch, head) pairs
 
 
 def main():
@@ -71,6 +73,8 @@ def main():
     ap.add_argument("--only", default="", help="candidate tokens to time (default: all of the role's)")
     ap.add_argument("--groups", default="", help="heads per item G to time the chosen tile with, e.g. 16,8,4 "
                     "('--only none' skips the tile candidates)")
+    ap.add_argument("--chunks", default="", help="key-split tiles: runs of keys per head to time the chosen tile "
+                    "with, e.g. 1,2,4,8 (1: no split between CTAs)")
     args = ap.parse_args()
     form = NoProjForm()
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -112,6 +116,8 @@ def main():
         codegen.forget_loaded_kernels()
         if args.groups:
             time_head_groups(form, t, ref, [int(g) for g in args.groups.split(",")])
+        if args.chunks:
+            time_key_chunks(form, t, ref, [int(c) for c in args.chunks.split(",")])
         del t, ref
         torch.cuda.empty_cache()
 
@@ -127,6 +133,21 @@ def time_head_groups(form, t, ref, gs):
         print(f"  {'planned' if g is None else 'forced'}: G {plan.heads_per_item:2d} groups {plan.head_groups:2d} "
               f"items {plan.items:5d} grid {plan.grid:4d} {us:8.1f} us  rel diff {diff:.1e}", flush=True)
     select.force_heads_per_item = None
+    codegen.forget_loaded_kernels()
+
+
+def time_key_chunks(form, t, ref, counts):
+    """The chosen tile as planned (runs of keys from select.key_chunks), then with the runs per head forced."""
+    for c in [None] + counts:
+        select.force_kv_chunks = c
+        codegen.forget_loaded_kernels()
+        diff = rel_diff(form.fused(**t), ref)
+        us = graph_time_us(form.fused, [t], min_total_s=0.1)
+        plan = next(iter(codegen._plans.values()))
+        print(f"  {'planned' if c is None else 'forced'}: runs {plan.kv_chunks:2d} of {plan.chunk_tiles:2d} key tiles "
+              f"G {plan.heads_per_item:2d} items {plan.items:5d} grid {plan.grid:4d} {us:8.1f} us  rel diff "
+              f"{diff:.1e}", flush=True)
+    select.force_kv_chunks = None
     codegen.forget_loaded_kernels()
 
 

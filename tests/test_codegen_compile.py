@@ -296,6 +296,30 @@ def test_decode_plan_splits_heads_and_respects_sm_count():
     assert small.grid <= 7 * 2
 
 
+def test_decode_at_small_batch_splits_each_heads_keys_between_ctas():
+    """Flash-decoding's split: with fewer (batch, head) pairs than CTA slots, runs of key tiles become items of
+    their own; with enough pairs nothing is split. Every run is non-empty, together they cover every key tile, and
+    the device's SMs alone decide them (sm_count must not change a bit of the result)."""
+    tile = tile_for("short", 64, 90)
+    key_tiles = -(-1500 // tile.kv_rows)
+    split = {}
+    for B in (1, 2, 4, 8, 16, 32, 64):
+        p = select.plan_launch("short", tile, B, 1, 1500, 20, 64, sm_count=132, ctas_per_sm=2)
+        assert p.chunk_tiles * p.kv_chunks >= key_tiles > p.chunk_tiles * (p.kv_chunks - 1)
+        assert p.items == B * p.head_groups * p.kv_chunks and (p.kv_chunks == 1 or p.heads_per_item == 1)
+        bounded = select.plan_launch("short", tile, B, 1, 1500, 20, 64, sm_count=7, ctas_per_sm=2, device_sms=132)
+        assert (bounded.kv_chunks, bounded.chunk_tiles) == (p.kv_chunks, p.chunk_tiles) and bounded.grid <= 14
+        split[B] = p.kv_chunks
+    assert split[1] > 1 and split[4] == 1 and split[64] == 1
+    long = tile_for("long", 64, 90)
+    assert select.plan_launch("long", long, 1, 448, 1500, 20, 64, sm_count=132, ctas_per_sm=2).kv_chunks == 1
+    # the H100 sweep (docs/PERF.md): 8 pairs fastest in 8 runs, 20 in 4 or 8, 80 and 320 unsplit
+    assert select.key_chunks(pairs=8, key_tiles=8, slots=132) == (8, 1)
+    assert select.key_chunks(pairs=20, key_tiles=8, slots=132) == (4, 2)
+    assert select.key_chunks(pairs=80, key_tiles=8, slots=132) == (1, 8)
+    assert select.key_chunks(pairs=320, key_tiles=8, slots=132) == (1, 8)
+
+
 def test_plan_covers_every_row_and_head():
     for (B, Lq, Lk, H, d) in [(32, 2048, 77, 16, 64), (2, 4096, 77, 10, 64), (3, 129, 5, 7, 40), (1, 1, 1, 1, 32)]:
         role = select.tile_role(Lq, Lk, B, H)
@@ -303,7 +327,7 @@ def test_plan_covers_every_row_and_head():
         p = select.plan_launch(role, tile, B, Lq, Lk, H, d, sm_count=132, ctas_per_sm=3)
         assert p.row_blocks * tile.block_m >= Lq
         assert p.head_groups * p.heads_per_item >= H > (p.head_groups - 1) * p.heads_per_item
-        assert p.items == B * p.row_blocks * p.head_groups
+        assert p.items == B * p.row_blocks * p.head_groups * p.kv_chunks
         assert 1 <= p.grid <= min(p.items, 132 * 3)
 
 

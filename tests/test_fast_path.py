@@ -141,10 +141,32 @@ def test_a_repeated_signature_skips_the_checks_and_launches_with_its_own_pointer
     assert (gpu.checks, gpu.why_calls, gpu.family_calls, len(gpu.launches)) == (1, 1, 1, 2)
     first, second = gpu.launches
     assert second.pointers == (ptrs(t["x"]), y2.data_ptr(), ptrs(t["k"]), ptrs(t["v"]), ptrs(t["gamma"]),
-                               ptrs(t["beta"]), 0, 0, 0, 0, 0, 0)
+                               ptrs(t["beta"]), 0, 0, 0, 0, 0, 0, 0, 0)
     assert second.pointers[1] != first.pointers[1]
     assert (second.kernel, second.grid, second.tail, second.stream) == (first.kernel, first.grid, first.tail, 1000)
     assert y2.shape == y1.shape == t["x"].shape and y2.dtype == BF16 and y2.is_contiguous()
+
+
+def test_decode_at_batch_one_launches_runs_of_keys_with_zeroed_tickets(gpu, monkeypatch):
+    """20 (batch, head) pairs on 132 SMs: each pair's 8 key tiles go to 4 CTAs, which need a partial-state
+    workspace and one zeroed ticket per pair (Params.part, Params.tickets: the last two pointers); the tail carries
+    the runs and their key tiles, the grid one CTA per run. Every call gets them afresh, cached launch or not."""
+    seen = []
+    record = gpu.launch
+
+    def launch(kernel, grid, stream, pointers, tail, maps=b""):
+        seen.append((pointers[12], pointers[13], ctypes.string_at(pointers[13], 4 * 20)))
+        record(kernel, grid, stream, pointers, tail, maps)
+
+    monkeypatch.setattr(codegen._launch, "launch", launch)
+    for _ in range(2):
+        fused(**inputs(B=1, Lq=1, Lk=1500, H=20))
+    for part, tickets, ticket_bytes in seen:
+        assert part != 0 and tickets != 0 and ticket_bytes == bytes(80)
+    first, second = gpu.launches
+    assert first.tail[-4:-2] == (4, 2) == second.tail[-4:-2] and first.grid == 80  # runs, key tiles per run
+    wide = fused(**inputs(B=64, Lq=1, Lk=1500, H=20))
+    assert gpu.launches[-1].pointers[12:] == (0, 0) and gpu.launches[-1].tail[-4] == 1 and wide.shape[0] == 64
 
 
 def test_a_broadcast_bool_mask_is_used_in_place_and_cached(gpu):
@@ -522,7 +544,7 @@ def test_launch_packs_params_into_a_per_thread_buffer(monkeypatch):
     monkeypatch.setattr(launch, "_raw_launch", None)  # no libcuda: the cuda-python binding launches
     kernel = SimpleNamespace(function="fn", handle=1, threads=256, smem_bytes=4096, device_index=0,
                              spec=SimpleNamespace(key="k"))
-    tail = tuple(range(1, 22)) + (1e-5, 0.18)  # 11 strides, 10 sizes, eps, scale_log2
+    tail = tuple(range(1, 24)) + (1e-5, 0.18)  # 11 strides, 12 sizes, eps, scale_log2
     before = launch.launch_count
 
     def two_launches(base):
@@ -560,7 +582,7 @@ def test_the_ctypes_launch_is_used_and_a_failure_goes_to_the_binding(monkeypatch
         CUDA_SUCCESS=0, CUDA_ERROR_INVALID_CONTEXT=201)))
     kernel = SimpleNamespace(function="fn", handle=0xABC, threads=128, smem_bytes=1024, device_index=0,
                              spec=SimpleNamespace(key="k"))
-    tail = tuple(range(1, 22)) + (1e-5, 0.18)
+    tail = tuple(range(1, 24)) + (1e-5, 0.18)
     pointers = tuple(range(500, 500 + launch.POINTERS))
     before = launch.launch_count
     launch.launch(kernel, 3, 77, pointers, tail)

@@ -219,20 +219,23 @@ def run_kernel(x, k, v, gamma, beta, mask, norm, eps, scale, sm_count, check_num
                            f"{kernel.spec.tile.block_n} keys, got Lk = {Lk}")
     k = _fast_operand(k, "k", kernel.spec.tile.tma)
     v = _fast_operand(v, "v", kernel.spec.tile.tma)
-    pkey = (role, id(kernel), B, Lq, Lk, H, sms, _select.force_heads_per_item)
+    pkey = (role, id(kernel), B, Lq, Lk, H, sms, _select.force_heads_per_item, _select.force_kv_chunks)
     plan = _plans.get(pkey)
     if plan is None:
         if len(_plans) > 4096:
             _plans.clear()
-        plan = _plans[pkey] = _select.plan_launch(role, kernel.spec.tile, B, Lq, Lk, H, d, sms, kernel.ctas_per_sm)
+        plan = _plans[pkey] = _select.plan_launch(role, kernel.spec.tile, B, Lq, Lk, H, d, sms, kernel.ctas_per_sm,
+                                                  device_sms=device_sms)
 
     ks, vs = k.stride(), v.stride()
     out_cols = stage.o_cols or D
+    units = B * plan.row_blocks * H if plan.kv_chunks > 1 else 0  # (batch, row block, head) pairs split by keys
     call = CallPlan(kernel, plan.grid, bool(check_numerics), (
         ks[0], ks[1], ks[2], vs[0], vs[1], vs[2], m_strides[0], m_strides[1], m_strides[2],
         stage.qraw.stride(0) if stage.qraw is not None else 0, out_cols,
         B, Lq, Lk, H, D, plan.heads_per_item, plan.head_groups, plan.row_blocks, plan.items,
-        int(stage.o_cols > H * d), float(eps), _scale_log2(scale, d)), out_cols)
+        int(stage.o_cols > H * d), plan.kv_chunks, plan.chunk_tiles, float(eps), _scale_log2(scale, d)), out_cols,
+        units, units * plan.kv_chunks * 16 * (d + 4))
     y = launch_call(call, x, k, v, gamma, beta, mask, stage)
     # A hit hands the caller's tensors to the kernel unprepared, so only a call that needed no copy or conversion
     # is cached (a mask view keeps its pointer; a copy cannot share it while the caller's mask is alive).
@@ -259,6 +262,8 @@ class CallPlan:
     check_numerics: bool
     tail: tuple  # Params after its pointers: strides, sizes, work split, eps, scale
     out_cols: int  # columns of the output rows: D, or the stage's o_cols
+    chunk_units: int = 0  # with keys split between CTAs: the tickets, one per (batch, row block, head); else 0
+    part_floats: int = 0  # and the floats of their partial states (Params.part)
 
 
 call_plans: dict[tuple, CallPlan] = {}
@@ -308,10 +313,15 @@ def launch_call(call: CallPlan, x, k, v, gamma, beta, mask, stage: StageIO | Non
         elif flag is None:
             flag = _flags[device_index] = _graph_memory.kept_copies([torch.zeros(1, dtype=torch.int32,
                                                                                  device=x.device)])[0]
+    part = tickets = None
+    if call.chunk_units:  # the tickets start at zero (the kernel leaves them so, but a fresh buffer may not be)
+        part = torch.empty(call.part_floats, dtype=torch.float32, device=x.device)
+        tickets = torch.zeros(call.chunk_units, dtype=torch.int32, device=x.device)
     pointers = (x.data_ptr(), y.data_ptr(), k.data_ptr(), v.data_ptr(),
                 gamma.data_ptr() if gamma is not None else 0, beta.data_ptr() if beta is not None else 0,
                 mask.data_ptr() if mask is not None else 0, flag.data_ptr() if flag is not None else 0,
-                *_stage_pointers(stage))
+                *_stage_pointers(stage), part.data_ptr() if part is not None else 0,
+                tickets.data_ptr() if tickets is not None else 0)
     maps = _tma_maps(call.kernel.spec.tile, x, k, v, y) if call.kernel.spec.tile.tma else b""
     _launch.launch(call.kernel, call.grid, _raw_stream(device_index), pointers, call.tail, maps)
     if flag is not None:

@@ -14,11 +14,11 @@ import torch
 from .cache import CompiledKernel
 from .spec import KernelSpec
 
-# The kernel's first argument, ``struct Params`` in templates/pnca.cu: 12 pointers, 11 int64 strides, 10 int32
+# The kernel's first argument, ``struct Params`` in templates/pnca.cu: 14 pointers, 11 int64 strides, 12 int32
 # sizes, 2 floats. The template static_asserts the same size.
-PARAMS = struct.Struct("<12Q11q10i2f")
-POINTERS = 12
-assert PARAMS.size == 232
+PARAMS = struct.Struct("<14Q11q12i2f")
+POINTERS = 14
+assert PARAMS.size == 256
 MAPS_BYTES = 512  # the second argument, ``struct TmaMaps``: four 128-byte tensor maps (x, k, v, y), read by tma tiles
 
 launch_count = 0  # kernels launched by this process; tests read it to prove the generated kernel ran
@@ -136,7 +136,7 @@ def _driver():
 
 
 def launch(kernel: LoadedKernel, grid: int, stream: int, pointers: tuple, tail: tuple, maps: bytes = b"") -> None:
-    """Enqueue one launch on ``stream`` (a raw cudaStream_t) with Params = ``pointers`` (11) then ``tail``, and
+    """Enqueue one launch on ``stream`` (a raw cudaStream_t) with Params = ``pointers`` (13) then ``tail``, and
     TmaMaps = ``maps`` (the kernels that read it)."""
     global launch_count, last_launched
     last_launched = kernel.spec.key

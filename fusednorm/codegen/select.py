@@ -41,6 +41,7 @@ def tile_role(q_len: int, kv_len: int, batch: int = 1, heads: int = 1, sm_count:
 
 
 force_heads_per_item: int | None = None  # pins G (benchmarks compare the splits with it)
+force_kv_chunks: int | None = None  # pins the runs of keys per head of the key-split tiles (benchmarks, as above)
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,8 @@ class LaunchPlan:
     row_blocks: int
     items: int
     grid: int
+    kv_chunks: int = 1     # key-split tiles: runs of key tiles per (batch, row block, head), one item each
+    chunk_tiles: int = 0   # key tiles per run (all of them when kv_chunks is 1)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -58,21 +61,32 @@ def _cdiv(a: int, b: int) -> int:
 
 
 def plan_launch(role: str, tile: TileConfig, batch: int, q_len: int, kv_len: int, heads: int, head_dim: int,
-                sm_count: int, ctas_per_sm: int) -> LaunchPlan:
-    """Pick G (heads per work item) and the persistent grid.
+                sm_count: int, ctas_per_sm: int, device_sms: int | None = None) -> LaunchPlan:
+    """Pick G (heads per work item), for key-split tiles the runs of keys per head, and the persistent grid.
 
     A work item is (batch, block of query rows, group of G heads). Larger G reads each x row fewer times for the
     statistics; smaller G makes more items when B * row_blocks alone cannot fill the GPU (decode). The cost model
     counts waves of items over the SMs, each item costing G heads of work plus one statistics pass over D.
+    ``device_sms`` (default ``sm_count``): the device's SMs, which alone decide the runs of keys, so that results
+    stay bit-identical whatever ``sm_count`` bounds (see key_chunks).
     """
     row_blocks = _cdiv(q_len, tile.block_m)
+    key_tiles = _cdiv(kv_len, tile.kv_rows)
+    chunks, chunk_tiles = 1, key_tiles
+    if tile.key_split > 1:
+        chunks, chunk_tiles = key_chunks(batch * row_blocks * heads, key_tiles, device_sms or sm_count)
+        if force_kv_chunks is not None:
+            chunk_tiles = _cdiv(key_tiles, max(1, min(force_kv_chunks, key_tiles)))
+            chunks = _cdiv(key_tiles, chunk_tiles)
     slots = sm_count * min(ctas_per_sm, 2)  # beyond ~2 CTAs per SM, extra CTAs mostly share the same bandwidth
     head_cost = head_dim * (2.0 + kv_len / 16.0)
     stats_cost = float(heads * head_dim)
     best = None
     for g in range(1, heads + 1):
         groups = _cdiv(heads, g)
-        if force_heads_per_item is not None:
+        if chunks > 1 and g > 1:
+            break  # keys split between CTAs: one head per item (there are too few items already)
+        if force_heads_per_item is not None and chunks == 1:
             if g != min(force_heads_per_item, heads):
                 continue
         elif g > 1 and _cdiv(heads, g - 1) == groups:
@@ -82,5 +96,25 @@ def plan_launch(role: str, tile: TileConfig, batch: int, q_len: int, kv_len: int
         if best is None or cost < best[0] or (cost == best[0] and g > best[1]):
             best = (cost, g, groups, items)
     _, g, groups, items = best
+    items *= chunks
     grid = min(items, sm_count * ctas_per_sm)
-    return LaunchPlan(role, g, groups, row_blocks, items, grid)
+    return LaunchPlan(role, g, groups, row_blocks, items, grid, chunks, chunk_tiles)
+
+
+def key_chunks(pairs: int, key_tiles: int, slots: int) -> tuple[int, int]:
+    """(runs, key tiles per run) for ``pairs`` (batch, row block, head) pairs of ``key_tiles`` key tiles each.
+
+    Flash-decoding's split: when the pairs cannot fill the device's SMs, each pair's keys are split into runs
+    handled by separate CTAs and merged by the last (a run writes and the merge reads its partial state: counted as
+    one more key tile). The cost is waves of items over ``slots`` (one CTA per SM: a second CTA on an SM adds
+    little to a stream of K/V that one already draws) times the tiles each item streams; the fewest runs win a tie.
+    Every run is non-empty: runs = ceil(key_tiles / tiles per run). On an H100 (docs/PERF.md) with 8 key tiles
+    this picks 4 runs for 20 pairs, 8 for 8 pairs and none for 80 or more, where splitting was slower.
+    """
+    best = (_cdiv(pairs, slots) * key_tiles, 1, key_tiles)
+    for tiles in range(key_tiles - 1, 0, -1):
+        runs = _cdiv(key_tiles, tiles)
+        cost = _cdiv(pairs * runs, slots) * (tiles + 1)
+        if cost < best[0]:
+            best = (cost, runs, tiles)
+    return best[1], best[2]

@@ -5,7 +5,8 @@
 
 Covers every tile role (short / base / long / few_keys) of templates/pnca.cu, the padded head dim (40), the largest
 (256), a bool and an additive mask, ragged lengths, rows whose mean is large against their spread (the exact
-statistics pass) and one SM's worth of CTAs (several items each), so every code path of the template runs once;
+statistics pass), one SM's worth of CTAs (several items each) and keys split between CTAs (decode at batch 1),
+so every code path of the template runs once;
 then the projection plan's stage mode (folded Q in, o and its ones column out) once per role.
 """
 from __future__ import annotations
@@ -23,6 +24,7 @@ CASES = [  # (role, dtype, B, Lq, Lk, H, d, mask, mean of x in units of its std[
     ("short", torch.float16, 1, 5, 77, 2, 256, "bool", 0.0),
     ("short", torch.float16, 1, 2, 300, 2, 128, None, 0.0),  # swizzled stages, the partial states merged in one
     ("short", torch.bfloat16, 2, 1, 700, 3, 64, "bool", 0.0, 1),  # several heads and stages per CTA
+    ("short", torch.bfloat16, 1, 1, 1500, 4, 64, "bool", 0.0),  # keys split between CTAs, merged by the last
     ("base", torch.bfloat16, 2, 70, 77, 2, 40, "add", 0.0),
     ("base", torch.float16, 1, 33, 19, 2, 256, None, 0.0),
     ("base", torch.bfloat16, 1, 70, 100, 2, 128, "bool", 0.0),  # sm_90: the warpgroup mma (d 64 and 128)
@@ -58,7 +60,7 @@ def main() -> int:
         assert launch.launch_count == before + 1
         print(f"{role:8s} {str(dtype):15s} B={B} Lq={Lq} Lk={Lk} H={H} d={d} mask={mask_kind} mean={mean}: "
               f"sm_count={sm_count[0] if sm_count else None}: finite={bool(torch.isfinite(y).all())}")
-    for role, B, Lq, Lk, H, d in (("short", 2, 1, 150, 2, 64), ("base", 2, 70, 77, 2, 40),
+    for role, B, Lq, Lk, H, d in (("short", 2, 1, 150, 2, 64), ("short", 1, 1, 700, 2, 64), ("base", 2, 70, 77, 2, 40),
                                   ("long", 1, 130, 300, 2, 64), ("few_keys", 2, 100, 77, 2, 64)):
         select.force_role = role
         D = H * d

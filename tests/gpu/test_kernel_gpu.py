@@ -239,6 +239,47 @@ def test_sm_count_gives_bit_identical_results():
             assert torch.equal(o, outs[0])
 
 
+def test_decode_at_small_batch_splits_keys_between_ctas():
+    """Few (batch, head) pairs: each pair's keys run on several CTAs, the last merges them. Against float64 at batch
+    1..16, with key padding that leaves whole runs masked, rows masked throughout, additive -inf, repeated calls and
+    graph replays (the tickets must come back to zero), and the numerics flag raised from one run's keys."""
+    gen = torch.Generator(device=DEV).manual_seed(int.from_bytes(os.urandom(4), "little"))
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for B, H, Lk in ((1, 20, 1500), (2, 8, 1500), (4, 20, 1500), (16, 20, 1500), (1, 12, 4000)):
+        tile = codegen.tile_for("short", 64, _arch())
+        plan = select.plan_launch("short", tile, B, 1, Lk, H, 64, sms, 2)
+        if B * H * 4 <= sms:
+            assert plan.kv_chunks > 1, plan
+        for mask in ("none", "bool", "add"):
+            check_case(torch.bfloat16, B, 1, Lk, H, 64, "layer_affine", mask, gen)
+        x, k, v, g, b, _ = make_inputs(torch.float16, B, 1, Lk, H, 64, gen=gen)
+        keep = torch.zeros(B, 1, 1, Lk, dtype=torch.bool, device=DEV)
+        keep[..., -100:] = True  # only the last run sees keys
+        y = fused(x, k, v, g, b, keep, "layer")
+        ref = reference64(x, k, v, g, b, keep, "layer", 1e-5, None)
+        assert rel_l2(y, ref) <= 2 * rel_l2(eager_block(x, k, v, g, b, keep, "layer", 1e-5, None), ref) + 1e-7
+        assert torch.equal(fused(x, k, v, g, b, keep, "layer"), y)  # the same bits on the next call
+        none = torch.zeros_like(keep)
+        assert torch.equal(fused(x, k, v, g, b, none, "layer"), x)  # every key masked: y = x
+        additive = torch.zeros(B, 1, 1, Lk, device=DEV, dtype=x.dtype).masked_fill(~keep, float("-inf"))
+        assert rel_l2(fused(x, k, v, g, b, additive, "layer"), ref) < 1e-2
+    codegen.poison_outputs = False
+    x, k, v, g, b, _ = make_inputs(torch.bfloat16, 1, 1, 1500, 20, 64, gen=gen)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fused(x, k, v, g, b, None, "layer")
+    for _ in range(2):
+        x.copy_(torch.randn(x.shape, device=DEV, generator=gen).to(x.dtype))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, fused(x, k, v, g, b, None, "layer"))
+    bad_v = v.clone()
+    bad_v[0, 3, 700, 5] = float("nan")  # in a middle run of keys
+    with pytest.raises(fusednorm.FusedNormNumericsError):
+        fused(x, k, bad_v, g, b, None, "layer", check_numerics=True)
+    fused(x, k, v, g, b, None, "layer", check_numerics=True)
+
+
 def test_layouts_that_need_a_copy_still_compute_right():
     gen = torch.Generator(device=DEV).manual_seed(int.from_bytes(os.urandom(4), "little"))
     x, k, v, g, b, _ = make_inputs(torch.bfloat16, 2, 65, 77, 4, 64, gen=gen)

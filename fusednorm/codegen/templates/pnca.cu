@@ -27,6 +27,9 @@
 // layout as K and V (see x_elem_offset); and each warp's y rows, staged there, leave by one bulk tensor store.
 // Each warp owns 16 * M_TILES query rows. With KEY_SPLIT > 1 (few query rows, e.g. decode) the warps share the
 // same 16 rows and split each K/V stage between them; their partial softmax states are merged in a fixed order.
+// When (batch, head) pairs are too few to fill the GPU (decode at small batch), the key tiles of each pair are
+// also split into kv_chunks runs, one work item each (KV_CHUNKED): each CTA leaves its merged partial state in
+// p.part, and the CTA that finishes a pair's last chunk merges them in chunk order and writes y.
 // Needs the configuration constants rendered ahead of this file (see fusednorm/codegen/render.py).
 
 struct Params {
@@ -43,6 +46,8 @@ struct Params {
   const float* q_b;    // [H * d]: Wq @ beta + bq (Q_FROM_QRAW only)
   u16* x_copy;         // [B, Lq, D] or null (WRITE_O only): x, written by the statistics pass as the out GEMM's C,
                        // which adds the residual in place: the plan then needs no copy kernel (one read of x fewer)
+  float* part;         // [B * row_blocks * H][kv_chunks][16][PART_ROW]: chunks' partial states (kv_chunks > 1)
+  int* tickets;        // [B * row_blocks * H], zero between launches: chunks of a pair done (kv_chunks > 1)
   long long k_sb, k_sh, k_sl;
   long long v_sb, v_sh, v_sl;
   long long m_sb, m_sh, m_sq;  // the key stride is 1 (run_kernel makes it so)
@@ -50,10 +55,11 @@ struct Params {
   int batch, q_len, kv_len, heads, model_dim;
   int heads_per_item, head_groups, row_blocks, items;
   int ones_col;                // WRITE_O: also write [1, 0 x 7] at column H * d of every row
+  int kv_chunks, chunk_tiles;  // KV_CHUNKED: runs of key tiles per (batch, row block, head), key tiles per run
   float eps;
   float scale_log2;            // the softmax scale times log2(e): scores are exponentiated as exp2(s * scale_log2 - m)
 };
-static_assert(sizeof(Params) == 232, "Params must match the packing in fusednorm/codegen/launch.py");
+static_assert(sizeof(Params) == 256, "Params must match the packing in fusednorm/codegen/launch.py");
 
 // The kernel's second argument: tensor maps of x [B, Lq, D], k and v [B, H, Lk, d] as strided (USE_TMA only; every
 // kernel takes the argument, so that all launch alike), and of y [B, Lq, y_ld]. Boxes of 64 columns by BLOCK_M
@@ -78,6 +84,8 @@ constexpr int O_NTILES = HEAD_DIM / 8;
 // one more n-tile (the row sums l, rescaled with o), and no separate row-sum wgmma is issued.
 constexpr int O_ACC_NTILES = O_NTILES + (ROWSUM_IN_PV ? 1 : 0);
 constexpr int PV_KSTEPS = BLOCK_N / 16;
+constexpr bool KV_CHUNKED = KEY_SPLIT > 1;  // the key-split tiles may also split a head's keys between CTAs
+constexpr int PART_ROW = HEAD_DIM + 4;      // floats per row of a chunk's partial state: o, then m and l, padded
 static_assert(KEY_SPLIT == 1 || (KEY_SPLIT == WARPS && M_TILES == 1), "key split shares one m-tile");
 static_assert(!ONE_TILE || KEY_SPLIT == 1, "one tile per head: every warp sees all keys");
 static_assert(BLOCK_N % 16 == 0 && HEAD_DIM % 8 == 0, "tile shape");
@@ -895,11 +903,66 @@ FN_INLINE void store_output_rows(const Params& p, const TmaMaps& maps, int b, u1
   __syncwarp();
 }
 
+// y = x + f / total for 8 columns of row r (o alone with WRITE_O), rounded once, streamed out.
+FN_INLINE void store_merged_chunk(const Params& p, const u16* x_tile, u16* y_batch, int r, int c, int q, int col0,
+                                  float (&f)[8], float total, bool& bad) {
+  const float inv = total > 0.f ? 1.f / total : 0.f;
+  float xf[8];
+  unpack8(WRITE_O ? u32x4{0u, 0u, 0u, 0u} : *reinterpret_cast<const u32x4*>(x_tile + x_elem_offset(r, c / 8)), xf);
+#pragma unroll
+  for (int e = 0; e < 8; ++e) f[e] = xf[e] + f[e] * inv;
+  const u32x4 out = pack8(f);
+  if constexpr (CHECK_NUMERICS) bad |= chunk_not_finite(out);
+  st_global16_stream(y_batch + (long long)q * p.y_ld + col0 + c, out);
+}
+
+// KV_CHUNKED with kv_chunks > 1: this CTA's partial state of a (batch, row block, head) is in p.part; the CTA
+// that takes the pair's last ticket merges every chunk's state in chunk order (deterministic) and writes y.
+FN_INLINE void merge_key_chunks(const Params& p, const float* unit_part, int* ticket, const u16* x_tile,
+                                u16* y_batch, int row0, int col0, int tid, bool& bad) {
+  int* is_last = reinterpret_cast<int*>(smem + OFF_MERGE_STATS);  // the warps' m, read by now
+  __threadfence();  // this thread's partial state is visible device-wide before the CTA takes its ticket
+  __syncthreads();
+  if (tid == 0) {
+    *is_last = atomicAdd(ticket, 1) == p.kv_chunks - 1;
+    if (*is_last) *ticket = 0;  // every chunk has taken its ticket: zero again for the next launch
+  }
+  __syncthreads();
+  if (!*is_last) return;
+  __threadfence();  // the other chunks' states, written before their tickets
+#pragma unroll 1
+  for (int i = tid; i < 16 * CHUNKS; i += THREADS) {
+    const int r = i / CHUNKS, c = (i % CHUNKS) * 8;
+    const int q = row0 + r;
+    if (q >= p.q_len) continue;
+    const float* row = unit_part + r * PART_ROW;  // chunk j's row r at row + j * 16 * PART_ROW
+    float m_max = neg_inf();
+    for (int j = 0; j < p.kv_chunks; ++j) m_max = fmaxf(m_max, __ldcg(row + j * 16 * PART_ROW + HEAD_DIM));
+    const float m_use = m_max == neg_inf() ? 0.f : m_max;
+    float total = 0.f, f[8];
+#pragma unroll
+    for (int e = 0; e < 8; ++e) f[e] = 0.f;
+    for (int j = 0; j < p.kv_chunks; ++j) {
+      const float* chunk_row = row + j * 16 * PART_ROW;
+      const float wt = fast_exp2(__ldcg(chunk_row + HEAD_DIM) - m_use);  // 0 for a chunk whose keys are all masked
+      total += wt * __ldcg(chunk_row + HEAD_DIM + 1);
+      const float4 lo = __ldcg(reinterpret_cast<const float4*>(chunk_row + c));
+      const float4 hi = __ldcg(reinterpret_cast<const float4*>(chunk_row + c + 4));
+      const float part[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+#pragma unroll
+      for (int e = 0; e < 8; ++e) f[e] = fmaf(wt, part[e], f[e]);
+    }
+    store_merged_chunk(p, x_tile, y_batch, r, c, q, col0, f, total, bad);
+  }
+  if (WRITE_O && p.ones_col && col0 == 0 && tid < 16 && row0 + tid < p.q_len) store_ones_chunk(p, y_batch, row0 + tid);
+}
+
 // Key split: every warp holds a partial (m, l, o) for the same 16 rows; merge them in warp order (deterministic).
 // The partial o go to the K and V tiles of the stage this step has read (k_tile, v_tile): once every warp is past
 // its reads, nothing else touches that stage until the next step's barrier, after which it is refilled.
-FN_INLINE void combine_and_store(const Params& p, const u16* x_tile, u16* y_batch, int row0, int col0,
-                                 const float (&o)[M_TILES][O_ACC_NTILES][4], const float (&m)[M_TILES][2],
+// With keys split between CTAs, ``unit`` numbers the (batch, row block, head) and ``chunk`` the run of keys.
+FN_INLINE void combine_and_store(const Params& p, long long unit, int chunk, const u16* x_tile, u16* y_batch, int row0,
+                                 int col0, const float (&o)[M_TILES][O_ACC_NTILES][4], const float (&m)[M_TILES][2],
                                  const float (&l)[M_TILES][2], u16* k_tile, u16* v_tile, int warp, int lane, int tid,
                                  bool& bad) {
   float* acc_k = reinterpret_cast<float*>(k_tile);                  // [COMBINE_K_WARPS][16][HEAD_DIM]
@@ -909,6 +972,8 @@ FN_INLINE void combine_and_store(const Params& p, const u16* x_tile, u16* y_batc
   const auto rows_of = [&](int w) {  // warp w's 16 rows of partial o
     return w < COMBINE_K_WARPS ? acc_k + w * 16 * HEAD_DIM : acc_v + (w - COMBINE_K_WARPS) * 16 * HEAD_DIM;
   };
+  const bool chunked = KV_CHUNKED && p.kv_chunks > 1;
+  float* unit_part = chunked ? p.part + unit * p.kv_chunks * 16 * PART_ROW : nullptr;
   const int g = lane >> 2, t2 = (lane & 3) * 2;
   __syncthreads();  // every warp has read the stage
 #pragma unroll
@@ -947,15 +1012,18 @@ FN_INLINE void combine_and_store(const Params& p, const u16* x_tile, u16* y_batc
 #pragma unroll
       for (int e = 0; e < 8; ++e) f[e] = fmaf(wt, acc_row[e], f[e]);
     }
-    const float inv = total > 0.f ? 1.f / total : 0.f;
-    const long long off = (long long)q * p.y_ld + col0 + c;
-    float xf[8];
-    unpack8(WRITE_O ? u32x4{0u, 0u, 0u, 0u} : *reinterpret_cast<const u32x4*>(x_tile + x_elem_offset(r, c / 8)), xf);
-#pragma unroll
-    for (int e = 0; e < 8; ++e) f[e] = xf[e] + f[e] * inv;
-    const u32x4 out = pack8(f);
-    if constexpr (CHECK_NUMERICS) bad |= chunk_not_finite(out);
-    st_global16_stream(y_batch + off, out);
+    if (chunked) {  // this chunk's state, o relative to m_use, for merge_key_chunks
+      float* row = unit_part + (chunk * 16 + r) * PART_ROW;
+      *reinterpret_cast<float4*>(row + c) = make_float4(f[0], f[1], f[2], f[3]);
+      *reinterpret_cast<float4*>(row + c + 4) = make_float4(f[4], f[5], f[6], f[7]);
+      if (c == 0) *reinterpret_cast<float2*>(row + HEAD_DIM) = make_float2(m_max, total);
+      continue;
+    }
+    store_merged_chunk(p, x_tile, y_batch, r, c, q, col0, f, total, bad);
+  }
+  if (chunked) {
+    merge_key_chunks(p, unit_part, p.tickets + unit, x_tile, y_batch, row0, col0, tid, bad);
+    return;
   }
   if (WRITE_O && p.ones_col && col0 == 0 && tid < 16 && row0 + tid < p.q_len) store_ones_chunk(p, y_batch, row0 + tid);
 }
@@ -967,25 +1035,37 @@ struct StepCursor {
   int item, b, row_block, head, tile;
   int head_in_item;  // 0 on an item's first head, whose step also computes the row statistics
   int head_seq;      // heads entered so far by this CTA: picks the x-slice slot (ONE_TILE: the stage does)
+  int chunk, tile_begin, tile_end;  // KV_CHUNKED: the item's run of key tiles (every head of the item takes it)
 };
 
-FN_INLINE void cursor_enter_item(const Params& p, StepCursor& c) {
+// A head's first and last key tile in this item: all of them, or with KV_CHUNKED the item's run.
+FN_INLINE int first_tile(const StepCursor& c) { return KV_CHUNKED ? c.tile_begin : 0; }
+FN_INLINE int end_tile(const StepCursor& c, int key_tiles) { return KV_CHUNKED ? c.tile_end : key_tiles; }
+
+FN_INLINE void cursor_enter_item(const Params& p, StepCursor& c, int key_tiles) {
   if (c.item >= p.items) return;
-  const int group = c.item % p.head_groups;
-  c.row_block = (c.item / p.head_groups) % p.row_blocks;
-  c.b = c.item / (p.head_groups * p.row_blocks);
+  const int chunks = KV_CHUNKED ? p.kv_chunks : 1;  // an item is (batch, row block, head group, run of keys)
+  const int unit = c.item / chunks;
+  const int group = unit % p.head_groups;
+  c.row_block = (unit / p.head_groups) % p.row_blocks;
+  c.b = unit / (p.head_groups * p.row_blocks);
   c.head = group * p.heads_per_item;
   c.head_in_item = 0;
-  c.tile = 0;
+  if constexpr (KV_CHUNKED) {  // the planner makes every run non-empty
+    c.chunk = c.item - unit * chunks;
+    c.tile_begin = c.chunk * p.chunk_tiles;
+    c.tile_end = min(key_tiles, c.tile_begin + p.chunk_tiles);
+  }
+  c.tile = first_tile(c);
 }
 
 FN_INLINE void cursor_advance(const Params& p, StepCursor& c, int key_tiles) {
-  if (++c.tile < key_tiles) return;
-  c.tile = 0;
+  if (++c.tile < end_tile(c, key_tiles)) return;
+  c.tile = first_tile(c);
   ++c.head_seq;
   if (++c.head_in_item < p.heads_per_item && ++c.head < p.heads) return;
   c.item += gridDim.x;
-  cursor_enter_item(p, c);
+  cursor_enter_item(p, c, key_tiles);
 }
 
 // The x-slice slot of a head: its first step's stage when every head is one step, else heads taken in turn.
@@ -997,7 +1077,7 @@ FN_INLINE int x_slot(const StepCursor& c, int stage) { return ONE_TILE ? stage :
 FN_INLINE void load_step_tma(const Params& p, const TmaMaps& maps, const StepCursor& c, int stage, u16* k_stages,
                              u16* v_stages, u16* x_slots, u32 bar) {
   constexpr u32 KV_BOX = KV_ROWS * 128, X_BOX = BLOCK_M * 128;  // bytes per 64-column block
-  const bool with_x = NEEDS_X_SLICE && c.tile == 0;
+  const bool with_x = NEEDS_X_SLICE && c.tile == first_tile(c);
   const int kh = p.k_sh != 0 ? c.head : 0, kb = p.k_sb != 0 ? c.b : 0;
   const int vh = p.v_sh != 0 ? c.head : 0, vb = p.v_sb != 0 ? c.b : 0;
   // K/V tiles that no other item reads (one row block, no broadcast dims) stream through L2 evict-first, so that
@@ -1026,12 +1106,13 @@ FN_INLINE void load_step(const Params& p, const TmaMaps& maps, const StepCursor&
                          u16* v_stages, u16* x_slots, u8* affine_slots, u32 bars, int tid) {
   if constexpr (USE_TMA) {
     if (tid == 0) load_step_tma(p, maps, c, stage, k_stages, v_stages, x_slots, bars + stage * 8);
-    if (c.tile == 0) load_affine_slot(p, c.head, affine_slots + x_slot(c, stage) * AFFINE_SLOT_BYTES, tid);
+    if (c.tile == first_tile(c))
+      load_affine_slot(p, c.head, affine_slots + x_slot(c, stage) * AFFINE_SLOT_BYTES, tid);
     return;
   }
   load_kv_tile(p, c.b, c.head, c.tile * KV_ROWS, k_stages + stage * KV_TILE_ELEMS, v_stages + stage * KV_TILE_ELEMS,
                tid);
-  if (c.tile == 0) {
+  if (c.tile == first_tile(c)) {
     if (NEEDS_X_SLICE)
       load_x_tile(p, c.b, c.row_block * BLOCK_M, c.head * HEAD_DIM, x_slots + x_slot(c, stage) * X_TILE_ELEMS, tid);
     load_affine_slot(p, c.head, affine_slots + x_slot(c, stage) * AFFINE_SLOT_BYTES, tid);
@@ -1080,7 +1161,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS_PER_SM)
   StepCursor cur;
   cur.item = blockIdx.x;
   cur.head_seq = 0;
-  cursor_enter_item(p, cur);
+  cursor_enter_item(p, cur, key_tiles);
   StepCursor ahead = cur;
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) {
@@ -1103,8 +1184,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS_PER_SM)
     // fragments are zeros and they store nothing)
     const bool attend_rows = USE_WGMMA ? cur.row_block * BLOCK_M + (warp & ~3) * ROWS_PER_WARP < p.q_len : warp_rows;
     u16* y_batch = p.y + (long long)cur.b * p.q_len * p.y_ld;
-    const bool head_first = ONE_TILE || cur.tile == 0;  // compile-time true with ONE_TILE: nothing is carried
-    const bool head_last = ONE_TILE || cur.tile == key_tiles - 1;
+    const bool head_first = ONE_TILE || cur.tile == first_tile(cur);  // compile-time true with ONE_TILE
+    const bool head_last = ONE_TILE || cur.tile == end_tile(cur, key_tiles) - 1;
     if (head_first) {  // a new head (the accumulators of the last one are dead here, which saves registers)
       if (cur.head_in_item == 0 && warp_rows) {  // a new item: statistics of this warp's rows
         const long long batch_off = (long long)cur.b * p.q_len * p.model_dim;
@@ -1174,7 +1255,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS_PER_SM)
 
     if (head_last) {
       if constexpr (KEY_SPLIT > 1) {
-        combine_and_store(p, x_tile, y_batch, row0, col0, o, m, l, k_stages + stage * KV_TILE_ELEMS,
+        const long long unit = ((long long)cur.b * p.row_blocks + cur.row_block) * p.heads + cur.head;
+        combine_and_store(p, unit, cur.chunk, x_tile, y_batch, row0, col0, o, m, l, k_stages + stage * KV_TILE_ELEMS,
                           v_stages + stage * KV_TILE_ELEMS, warp, lane, tid, bad);
       } else if (warp_rows) {
         store_output_rows(p, maps, cur.b, y_batch, row0, col0, o, l, x_warp, lane, bad);
