@@ -115,39 +115,26 @@ def main():
         spec_mod.KernelSpec.min_ctas_per_sm = original_min_ctas
         codegen.forget_loaded_kernels()
         if args.groups:
-            time_head_groups(form, t, ref, [int(g) for g in args.groups.split(",")])
+            time_forced(form, t, ref, "force_heads_per_item", [int(g) for g in args.groups.split(",")])
         if args.chunks:
-            time_key_chunks(form, t, ref, [int(c) for c in args.chunks.split(",")])
+            time_forced(form, t, ref, "force_kv_chunks", [int(c) for c in args.chunks.split(",")])
         del t, ref
         torch.cuda.empty_cache()
 
 
-def time_head_groups(form, t, ref, gs):
-    """The chosen tile as planned (G from select.plan_launch's cost model), then with G heads per item forced."""
-    for g in [None] + gs:
-        select.force_heads_per_item = g
+def time_forced(form, t, ref, knob, values):
+    """The chosen tile as planned, then with ``select.<knob>`` (force_heads_per_item: G heads per item;
+    force_kv_chunks: runs of keys per head) pinned to each value."""
+    for value in [None] + values:
+        setattr(select, knob, value)
         codegen.forget_loaded_kernels()
         diff = rel_diff(form.fused(**t), ref)
         us = graph_time_us(form.fused, [t], min_total_s=0.1)
-        plan = next(iter(codegen._plans.values()))
-        print(f"  {'planned' if g is None else 'forced'}: G {plan.heads_per_item:2d} groups {plan.head_groups:2d} "
-              f"items {plan.items:5d} grid {plan.grid:4d} {us:8.1f} us  rel diff {diff:.1e}", flush=True)
-    select.force_heads_per_item = None
-    codegen.forget_loaded_kernels()
-
-
-def time_key_chunks(form, t, ref, counts):
-    """The chosen tile as planned (runs of keys from select.key_chunks), then with the runs per head forced."""
-    for c in [None] + counts:
-        select.force_kv_chunks = c
-        codegen.forget_loaded_kernels()
-        diff = rel_diff(form.fused(**t), ref)
-        us = graph_time_us(form.fused, [t], min_total_s=0.1)
-        plan = next(iter(codegen._plans.values()))
-        print(f"  {'planned' if c is None else 'forced'}: runs {plan.kv_chunks:2d} of {plan.chunk_tiles:2d} key tiles "
-              f"G {plan.heads_per_item:2d} items {plan.items:5d} grid {plan.grid:4d} {us:8.1f} us  rel diff "
-              f"{diff:.1e}", flush=True)
-    select.force_kv_chunks = None
+        p = next(iter(codegen._plans.values()))
+        print(f"  {'planned' if value is None else 'forced'}: G {p.heads_per_item:2d} groups {p.head_groups:2d} runs "
+              f"{p.kv_chunks:2d} of {p.chunk_tiles:2d} key tiles, items {p.items:5d} grid {p.grid:4d} {us:8.1f} us  "
+              f"rel diff {diff:.1e}", flush=True)
+    setattr(select, knob, None)
     codegen.forget_loaded_kernels()
 
 
