@@ -286,7 +286,7 @@ def call_key(x, k, v, gamma, beta, mask, norm, eps, scale, sm_count, check_numer
         None if beta is None else (beta.shape, beta.stride(), beta.dtype, beta.device, beta.data_ptr() % 16 == 0),
         None if mask is None else (mask.shape, mask.stride(), mask.dtype, mask.device, mask.data_ptr() % 16 == 0),
         norm, eps, scale, sm_count, check_numerics, torch.cuda.current_device(), _select.force_role,
-        _select.force_heads_per_item,
+        _select.force_heads_per_item, _select.force_kv_chunks,
     )
 
 
