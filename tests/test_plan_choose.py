@@ -29,7 +29,7 @@ def args(B=2, Lq=64, D=256, H=4, Lk=77, wo=True, wq=True):
 def measured(monkeypatch):
     calls = []
 
-    def measure(tensors, norm, eps, scale):
+    def measure(tensors, norm, eps, scale, graph=None):
         calls.append(tuple(tensors["x"].shape))
         fused_us, compiler_us = (50.0, 80.0) if tensors["x"].shape[1] == 64 else (80.0, 79.0)
         return fused_us, 30.0, compiler_us
@@ -66,6 +66,29 @@ def test_each_shape_is_measured_once(measured):
         choose.decide(args(Lq=64), "layer", "measure")
     choose.decide(args(Lq=64, wo=False), "layer", "measure")  # another variant: measured separately
     assert measured == [(2, 64, 256), (2, 64, 256)]
+
+
+def test_the_compiler_is_timed_on_the_models_own_nodes_once_per_code_and_shape(monkeypatch):
+    """The block's nodes (a BlockGraph from the match) reach the measurement; blocks of one shape but other code
+    (T5's matmul-softmax-matmul against SDPA) are timed apart, and the nodes are copied out only to be timed."""
+    graphs, made = [], []
+    monkeypatch.setattr(choose, "_measure", lambda t, n, e, s, graph=None: graphs.append(graph) or (50, 30, 80, ""))
+    monkeypatch.setattr(choose, "_key", lambda tensors, norm, scale: "one shape")
+    monkeypatch.setattr(choose, "_timings", {})
+
+    def block(code):
+        return lambda: made.append(code) or types.SimpleNamespace(signature=code)
+
+    for code in ("matmul softmax matmul", "sdpa", "sdpa"):
+        assert choose.decide(args(), "layer", "measure", block=block(code)).fused
+    assert [g.signature for g in graphs] == ["matmul softmax matmul", "sdpa"]
+    choose.decide(args(), "layer", "always", block=block("never copied"))
+    assert made == ["matmul softmax matmul", "sdpa", "sdpa"]
+    why = choose.decide(args(), "layer", "measure", block=lambda: "an input is not a tensor")  # the canonical block
+    assert why.fused and graphs[-1] == "an input is not a tensor"
+    monkeypatch.setattr(choose, "_measure", lambda *a: (50, 30, 80, " (on the canonical block: why)"))
+    monkeypatch.setattr(choose, "_timings", {})
+    assert "vs compiler 80.0 µs GPU (on the canonical block: why)" in choose.decide(args(), "layer", "measure").reason
 
 
 def test_the_default_option_leaves_blocks_with_projections_to_the_compiler(measured):

@@ -22,6 +22,7 @@ from ..patterns.matcher import StructuralMatch, check_shapes, foreign_users, mat
 from ..patterns.ops import graph_facts
 from ..patterns.registry import MatchView, Pattern, patterns_for
 from ..report import MatchRecord
+from .block_graph import block_graph
 from .context import PassContext
 from .locations import locations, source_location
 
@@ -159,8 +160,11 @@ def _check(pattern: Pattern, sm: StructuralMatch, space: HintSpace, order, optio
                            else "the pattern's check refused the match", roles, 4)
     if options.grad == "compiler" and _needs_grad(sm.anchor):
         return Failure(pattern.name, NEEDS_GRAD, roles, 5)
+    named = {sm.values[p]: a for a, p in pattern.bind.items() if isinstance(p, str) and isinstance(sm.values.get(p),
+                                                                                               torch.fx.Node)}
     runs, no_kernel = _what_runs(args, pattern.norm, options.plan, options.kernel, options.cudagraphs,
-                                 options.compiler, options.check_numerics)
+                                 options.compiler, options.check_numerics,
+                                 block=lambda: block_graph(sm.owned, sm.anchor, named))
     if no_kernel:
         return Failure(pattern.name, no_kernel, roles, 5)
     return Candidate(pattern, sm.anchor, dict(sm.values), sm.owned, roles, args, runs)
@@ -185,8 +189,9 @@ def _check_output(pattern: Pattern, args, anchor, space: HintSpace) -> None:
 
 
 def _what_runs(args, norm, plan: str = "never", kernel: str = "auto", cudagraphs: bool = False,
-               compiler: str = "inductor", check_numerics: bool = False) -> tuple[str, str | None]:
-    """('reference' | 'generated CUDA kernel' | 'CUDA projection plan ...', why it is left to the compiler or None)."""
+               compiler: str = "inductor", check_numerics: bool = False, block=None) -> tuple[str, str | None]:
+    """('reference' | 'generated CUDA kernel' | 'CUDA projection plan ...', why it is left to the compiler or None);
+    ``block`` gives the matched nodes as a graph of their own, to time the compiler on (plans/choose.py)."""
     x = args["x"]
     if x.device.type != "cuda":
         from ..op import inlined_for_inductor
@@ -209,7 +214,7 @@ def _what_runs(args, norm, plan: str = "never", kernel: str = "auto", cudagraphs
         return "generated CUDA kernel", None
     from ..plans.choose import decide
 
-    choice = decide(args, norm, kernel if projection_free else plan, host_time_counts=not cudagraphs)
+    choice = decide(args, norm, kernel if projection_free else plan, host_time_counts=not cudagraphs, block=block)
     if not choice.fused:
         return "left to the compiler", choice.reason
     if projection_free:

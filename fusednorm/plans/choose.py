@@ -3,7 +3,9 @@ with the compiler.
 
 Options: ``plan="never"`` (the default: blocks with projections stay with the compiler), ``"measure"``, ``"always"``
 (tests, benchmarks). With ``plan="measure"``, for each new (device, dtype, shapes, variant) the plan is timed
-against the compiler (Inductor) on the same block with random inputs of those shapes, and taken only when it is
+against the compiler (Inductor) on the same block with random inputs of those shapes (the block as the model
+wrote it, its own nodes: passes/block_graph.py; the canonical block of ``unfused_block`` where they cannot be
+copied out), and taken only when it is
 faster on the GPU *and* its host time per call is below the compiler's GPU time: inside a compiled model the
 compiler's kernels of the block are launched from one generated wrapper, while the plan is an extern op call whose
 Python and cuBLAS launches cost host time of their own (dispatch.run_cuda_cached keeps a repeated signature's share
@@ -81,11 +83,12 @@ def _fused_op(args: dict) -> str:
     return "kernel" if args.get("wq") is None and args.get("wo") is None else "plan"
 
 
-def decide(args: dict, norm: str, policy: str, host_time_counts: bool = True) -> Choice:
+def decide(args: dict, norm: str, policy: str, host_time_counts: bool = True, block=None) -> Choice:
     """The fused op or the compiler for one matched block; ``args`` are the op's arguments as fakes or metadata,
     ``policy`` the plan option for a block with projections, the kernel option for one without.
     ``host_time_counts=False`` when the compiled graph is replayed as CUDA graphs (option cudagraphs): the plan's
-    host cost is then paid once, at capture, and GPU time alone decides."""
+    host cost is then paid once, at capture, and GPU time alone decides. ``block``: a function giving the matched
+    nodes as a BlockGraph (or why they cannot be one), called only when the block is timed."""
     what = _fused_op(args)
     allowed = KERNEL_POLICIES if what == "kernel" else POLICIES
     if policy not in allowed:
@@ -109,15 +112,18 @@ def decide(args: dict, norm: str, policy: str, host_time_counts: bool = True) ->
                else f"the block leaves SMs idle ({units} (batch, head, 64-row block) units for {sms} SMs)")
     if dynamic:
         return Choice(False, f"left to the compiler: dynamic shapes (the {what} is chosen by measuring a fixed shape)")
-    key = _key(tensors, norm, args["scale"])
+    graph = block() if block is not None else None
+    key = (_key(tensors, norm, args["scale"]), getattr(graph, "signature", None))
     with _lock:
         timed = _timings.get(key)
         if timed is None:
-            timed = _timings[key] = _measure(tensors, norm, float(args["eps"]), args["scale"])
+            timed = _timings[key] = _measure(tensors, norm, float(args["eps"]), args["scale"], graph)
     if isinstance(timed, str):
         hit = Choice(False, f"left to the compiler: the {what} could not be measured ({timed[:200]})")
     else:
-        hit = _verdict(*timed, what=what, host_time_counts=host_time_counts)
+        fused_us, host_us, compiler_us, *note = timed
+        hit = _verdict(fused_us, host_us, compiler_us, what=what, host_time_counts=host_time_counts,
+                       compiler_note=note[0] if note else "")
     if policy == "auto":
         return Choice(hit.fused, f"{hit.reason}; timed as option kernel='auto' does where {why}")
     return hit
@@ -166,13 +172,13 @@ def _key(tensors, norm, scale):
     return (torch.cuda.get_device_name(device), norm, scale, tuple(sig(t) for t in tensors.values()))
 
 
-def _measure(tensors, norm, eps, scale) -> tuple | str:
-    """(fused GPU µs, fused host µs, compiler GPU µs), or why they could not be measured."""
+def _measure(tensors, norm, eps, scale, graph=None) -> tuple | str:
+    """(fused GPU µs, fused host µs, compiler GPU µs, what the compiler ran), or why they could not be measured."""
     result: dict = {}
 
     def work():
         try:
-            result["times"] = _time_both(tensors, norm, eps, scale)
+            result["times"] = _time_both(tensors, norm, eps, scale, graph)
         except Exception as e:  # noqa: BLE001 - a failed measurement leaves the block to the compiler
             result["error"] = f"{type(e).__name__}: {e}"
 
@@ -183,11 +189,11 @@ def _measure(tensors, norm, eps, scale) -> tuple | str:
 
 
 def _verdict(fused_us: float, fused_host_us: float, compiler_us: float, what: str = "plan",
-             host_time_counts: bool = True) -> Choice:
+             host_time_counts: bool = True, compiler_note: str = "") -> Choice:
     """The plan must beat the compiler on GPU time and on host time per call (see the module's docstring), the
     kernel, or the plan replayed as CUDA graphs, on GPU time."""
     measured = (f"measured {what} {fused_us:.1f} µs GPU, {fused_host_us:.1f} µs host per call vs compiler "
-                f"{compiler_us:.1f} µs GPU")
+                f"{compiler_us:.1f} µs GPU{compiler_note}")
     if what == "plan" and not host_time_counts:
         measured += "; host time not counted: replayed as CUDA graphs (option cudagraphs)"
     cost = max(fused_us, fused_host_us) if what == "plan" and host_time_counts else fused_us
@@ -196,22 +202,14 @@ def _verdict(fused_us: float, fused_host_us: float, compiler_us: float, what: st
     return Choice(False, f"left to the compiler: not faster ({measured})")
 
 
-def _time_both(tensors, norm, eps, scale) -> tuple[float, float, float]:
-    """(fused op GPU µs, its host µs per call through the op, compiler GPU µs) for random inputs of these shapes."""
+def _time_both(tensors, norm, eps, scale, graph=None) -> tuple[float, float, float, str]:
+    """(fused op GPU µs, its host µs per call through the op, compiler GPU µs, what the compiler ran) for random
+    inputs of these shapes."""
     x = tensors["x"]
     device = torch.device("cuda", x.device.index if x.device.index is not None else torch.cuda.current_device())
     with torch.cuda.device(device), torch.no_grad():
         real = {n: _random_like(n, t, device) for n, t in tensors.items()}
-        names = [n for n, t in real.items() if t is not None]
-
-        def block(*ts):
-            kw = dict(real, **dict(zip(names, ts)))
-            return unfused_block(**kw, norm=norm, eps=eps, scale=scale)
-
-        inputs = [real[n] for n in names]
-        from torch.fx.experimental.proxy_tensor import make_fx
-
-        compiled = torch._inductor.compile(make_fx(block)(*inputs), inputs)
+        compiled, inputs, note = compiler_block(real, norm, eps, scale, graph, device)
         op_args = [real[n] for n in tensors] + [norm, eps, scale]
         plan = lambda: torch.ops.fusednorm.pre_norm_cross_attn(*op_args)  # noqa: E731 - as a compiled graph calls it
         from .weights import GraphWeights
@@ -220,8 +218,30 @@ def _time_both(tensors, norm, eps, scale) -> tuple[float, float, float]:
             plan_us = _graph_us(plan)
         plan_host_us = _host_us(plan)
         compiler_us = _graph_us(lambda: compiled(*inputs))
-    return plan_us, plan_host_us, compiler_us
+    return plan_us, plan_host_us, compiler_us, note
 
+
+def compiler_block(real: dict, norm, eps, scale, graph, device) -> tuple:
+    """(Inductor's compiled block, its inputs, what it is in words for the report, or ""): the block's own nodes
+    (``graph``, a BlockGraph) on fresh random inputs of their layouts, else, with the reason, the canonical block
+    (``unfused_block``) on ``real``, the op's arguments."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    if graph is not None and not isinstance(graph, str):
+        try:
+            inputs = [_random_strided(role, value, device) for role, value in graph.inputs]
+            return torch._inductor.compile(make_fx(torch.fx.Interpreter(graph.gm).run)(*inputs), inputs), inputs, ""
+        except Exception as e:  # noqa: BLE001 - the canonical block is still a fair stand-in
+            graph = f"{type(e).__name__}: {str(e)[:120]}"
+    names = [n for n, t in real.items() if t is not None]
+
+    def block(*ts):
+        kw = dict(real, **dict(zip(names, ts)))
+        return unfused_block(**kw, norm=norm, eps=eps, scale=scale)
+
+    inputs = [real[n] for n in names]
+    note = f" (on the canonical block: the model's nodes of it could not be timed, {graph})" if graph else ""
+    return torch._inductor.compile(make_fx(block)(*inputs), inputs), inputs, note
 
 def _random_like(name, t, device):
     """Fresh random values of t's shape and dtype (never zeros): weights scaled like a trained layer's."""
@@ -239,6 +259,24 @@ def _random_like(name, t, device):
     elif name in ("beta", "bq", "bo", "mask"):
         r *= 0.1
     return r.to(t.dtype)
+
+
+def _random_strided(role: str, value, device) -> torch.Tensor:
+    """Fresh random values in the layout the model hands the block (``value``'s shape, strides and dtype; a
+    broadcast input keeps its zero strides), scaled like ``_random_like``'s for the op argument ``role`` ("" for an
+    input that is none: a matrix is scaled as a weight)."""
+    shape, stride = tuple(value.shape), tuple(value.stride())
+    span = 1 + sum((n - 1) * s for n, s in zip(shape, stride)) if all(shape) else 0
+    if value.dtype == torch.bool:
+        return (torch.rand(span, device=device) > 0.2).as_strided(shape, stride)
+    flat = torch.randn(span, device=device)
+    if role in ("wq", "wo") or (not role and len(shape) == 2):
+        flat /= math.sqrt(shape[-1])
+    elif role == "gamma":
+        flat = 1 + 0.1 * flat
+    elif role in ("beta", "bq", "bo", "mask"):
+        flat *= 0.1
+    return flat.to(value.dtype).as_strided(shape, stride)
 
 
 def _graph_us(fn, reps: int = 10, windows: int = 3) -> float:

@@ -3,7 +3,7 @@
     1. qraw = x @ Wq'^T              cuBLAS, float32 output (the norm is folded into Wq', see weights.py)
     2. attention stage               one generated kernel: row stats of x, q = rstd*(qraw - mean*u) + b',
                                      softmax(q k^T * scale + mask) v, written as o (or y = x + o without Wo)
-    3. y = x + [o, 1] @ [Wo, bo]^T   cuBLAS addmm with the residual as C (beta = 1) and bo as one extra K column
+    3. y = x + [o, 1] @ [Wo, bo]^T   cuBLAS addmm in place on y, which stage 2 filled with x; bo is one extra K column
 
 Why float32 qraw: with |mean| >> std the fold subtracts two large numbers; in float32 that costs ~1e-7 * |mean|/std
 relative, in bf16 it would cost ~4e-3 * |mean|/std (tests check the large-mean case against float64).
