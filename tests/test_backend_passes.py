@@ -169,8 +169,9 @@ def test_what_runs_on_cuda(monkeypatch):
         "left to the compiler", "left to the compiler (option plan='never', the default)")
     from fusednorm.plans import choose
 
-    def decide(a, norm, policy, host_time_counts):
-        return choose.Choice(policy == "measure" and a["k"] == 1, f"measured {a['k']}, host {host_time_counts}")
+    def decide(a, norm, policy, host_time_counts, block=None):
+        nodes = f", on {block()}" if block is not None else ""
+        return choose.Choice(policy == "measure" and a["k"] == 1, f"measured {a['k']}, host {host_time_counts}{nodes}")
 
     monkeypatch.setattr(choose, "decide", decide)
     assert match_pass._what_runs({**args, "k": 1}, "layer", "never", "measure") == (
@@ -179,6 +180,8 @@ def test_what_runs_on_cuda(monkeypatch):
         "CUDA projection plan: measured 1, host False", None)  # replayed as CUDA graphs: host time does not count
     assert match_pass._what_runs({**args, "k": 2}, "layer", "never", "measure") == (
         "left to the compiler", "measured 2, host True")
+    assert match_pass._what_runs({**args, "k": 1}, "layer", "never", "measure", block=lambda: "its nodes") == (
+        "generated CUDA kernel: measured 1, host True, on its nodes", None)  # the match's block reaches the choice
     on_cpu = {**args, "x": types.SimpleNamespace(device=torch.device("cpu"))}
     assert match_pass._what_runs(on_cpu, "layer") == ("reference, compiled inline by Inductor", None)
     assert match_pass._what_runs(on_cpu, "layer", compiler="eager") == ("reference", None)
@@ -197,7 +200,7 @@ class Block(nn.Module):
 
 
 def test_a_block_without_a_fast_path_is_left_to_the_compiler(fusion, monkeypatch):
-    monkeypatch.setattr(match_pass, "_what_runs", lambda args, norm, plan, kernel, cudagraphs, compiler, check: (
+    monkeypatch.setattr(match_pass, "_what_runs", lambda args, norm, plan, kernel, cudagraphs, compiler, check, block: (
         "left to the compiler", "no fused CUDA kernel/plan for this block: no kernel for d=8"))
     model = Block().eval()
     x, c = torch.randn(2, 3, 16), torch.randn(2, 5, 16)

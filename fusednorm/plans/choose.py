@@ -23,9 +23,9 @@ attention output, ~5 more passes over x), and its math is not the bottleneck. Ab
 attention's math, where the compiler's SDPA kernel can be faster than the generated one (2048 keys on the H200:
 docs/PERF.md §1), so the two are timed. So is a block with fewer (batch, head, 64-row block) units than SMs (a
 decode step at batch 1: Whisper's 20 units on 132 SMs), whose time is latency rather than bytes (docs/PERF.md §1:
-the kernel 12.8 µs, Inductor 11.2). ``"always"`` takes the kernel everywhere; ``"measure"`` times every shape. GPU
-time alone decides: the kernel's host cost per call (~20-35 µs) is about that of the few launches the compiler's
-wrapper makes for the same block.
+the kernel 12.8 µs, Inductor 11.2; with its keys split between CTAs since, 11.1 against 11.8 on an H100).
+``"always"`` takes the kernel everywhere; ``"measure"`` times every shape. GPU time alone decides: the kernel's
+host cost per call (~20-35 µs) is about that of the few launches the compiler's wrapper makes for the same block.
 
 The measurement runs in a worker thread: the backend is called inside Dynamo's compile, whose tracing context
 and fake mode are thread-local, so the nested Inductor compile of the reference block sees neither.
