@@ -86,6 +86,9 @@ def test_the_compiler_is_timed_on_the_models_own_nodes_once_per_code_and_shape(m
     assert made == ["matmul softmax matmul", "sdpa", "sdpa"]
     why = choose.decide(args(), "layer", "measure", block=lambda: "an input is not a tensor")  # the canonical block
     assert why.fused and graphs[-1] == "an input is not a tensor"
+    monkeypatch.setattr(choose, "_timings", {})
+    choose.decide(args(), "layer", "measure", block=lambda: {}["x"])  # a failed copy never fails the match
+    assert graphs[-1] == "copying its nodes raised KeyError: 'x'"
     monkeypatch.setattr(choose, "_measure", lambda *a: (50, 30, 80, " (on the canonical block: why)"))
     monkeypatch.setattr(choose, "_timings", {})
     assert "vs compiler 80.0 µs GPU (on the canonical block: why)" in choose.decide(args(), "layer", "measure").reason

@@ -112,7 +112,10 @@ def decide(args: dict, norm: str, policy: str, host_time_counts: bool = True, bl
                else f"the block leaves SMs idle ({units} (batch, head, 64-row block) units for {sms} SMs)")
     if dynamic:
         return Choice(False, f"left to the compiler: dynamic shapes (the {what} is chosen by measuring a fixed shape)")
-    graph = block() if block is not None else None
+    try:
+        graph = block() if block is not None else None
+    except Exception as e:  # noqa: BLE001 - the canonical block stands in, and the reason says why
+        graph = f"copying its nodes raised {type(e).__name__}: {e}"
     key = (_key(tensors, norm, args["scale"]), getattr(graph, "signature", None))
     with _lock:
         timed = _timings.get(key)
