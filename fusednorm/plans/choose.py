@@ -232,7 +232,8 @@ def compiler_block(real: dict, norm, eps, scale, graph, device) -> tuple:
 
     if graph is not None and not isinstance(graph, str):
         try:
-            inputs = [_random_strided(role, value, device) for role, value in graph.inputs]
+            inputs = [_random_strided(role, tuple(t.shape), tuple(t.stride()), t.dtype, device)
+                      for role, t in graph.inputs]
             return torch._inductor.compile(make_fx(torch.fx.Interpreter(graph.gm).run)(*inputs), inputs), inputs, ""
         except Exception as e:  # noqa: BLE001 - the canonical block is still a fair stand-in
             graph = f"{type(e).__name__}: {str(e)[:120]}"
@@ -247,30 +248,22 @@ def compiler_block(real: dict, norm, eps, scale, graph, device) -> tuple:
     return torch._inductor.compile(make_fx(block)(*inputs), inputs), inputs, note
 
 def _random_like(name, t, device):
-    """Fresh random values of t's shape and dtype (never zeros): weights scaled like a trained layer's."""
+    """Fresh random values of t's shape and dtype (never zeros), contiguous: the op argument ``name``'s."""
     if t is None:
         return None
+    shape = tuple(t.shape)
+    stride = tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
+    r = _random_strided(name, shape, stride, t.dtype, device)
     if t.dtype == torch.bool:
-        m = torch.rand(t.shape, device=device) > 0.2
-        m[..., 0] = True  # no fully masked row: the compiler's SDPA would return NaN there
-        return m
-    r = torch.randn(t.shape, device=device, dtype=torch.float32)
-    if name in ("wq", "wo"):
-        r /= math.sqrt(t.shape[-1])
-    elif name == "gamma":
-        r = 1 + 0.1 * r
-    elif name in ("beta", "bq", "bo", "mask"):
-        r *= 0.1
-    return r.to(t.dtype)
+        r[..., 0] = True  # no fully masked row: the compiler's SDPA would return NaN there
+    return r
 
 
-def _random_strided(role: str, value, device) -> torch.Tensor:
-    """Fresh random values in the layout the model hands the block (``value``'s shape, strides and dtype; a
-    broadcast input keeps its zero strides), scaled like ``_random_like``'s for the op argument ``role`` ("" for an
-    input that is none: a matrix is scaled as a weight)."""
-    shape, stride = tuple(value.shape), tuple(value.stride())
+def _random_strided(role: str, shape: tuple, stride: tuple, dtype, device) -> torch.Tensor:
+    """Fresh random values in a layout the model hands the block (a broadcast input keeps its zero strides), scaled
+    like a trained layer's for the op argument ``role`` ("" for an input that is none: a matrix as a weight)."""
     span = 1 + sum((n - 1) * s for n, s in zip(shape, stride)) if all(shape) else 0
-    if value.dtype == torch.bool:
+    if dtype == torch.bool:
         return (torch.rand(span, device=device) > 0.2).as_strided(shape, stride)
     flat = torch.randn(span, device=device)
     if role in ("wq", "wo") or (not role and len(shape) == 2):
@@ -279,7 +272,7 @@ def _random_strided(role: str, value, device) -> torch.Tensor:
         flat = 1 + 0.1 * flat
     elif role in ("beta", "bq", "bo", "mask"):
         flat *= 0.1
-    return flat.to(value.dtype).as_strided(shape, stride)
+    return flat.to(dtype).as_strided(shape, stride)
 
 
 def _graph_us(fn, reps: int = 10, windows: int = 3) -> float:
