@@ -136,7 +136,7 @@ def _driver():
 
 
 def launch(kernel: LoadedKernel, grid: int, stream: int, pointers: tuple, tail: tuple, maps: bytes = b"") -> None:
-    """Enqueue one launch on ``stream`` (a raw cudaStream_t) with Params = ``pointers`` (13) then ``tail``, and
+    """Enqueue one launch on ``stream`` (a raw cudaStream_t) with Params = ``pointers`` (POINTERS) then ``tail``, and
     TmaMaps = ``maps`` (the kernels that read it)."""
     global launch_count, last_launched
     last_launched = kernel.spec.key
