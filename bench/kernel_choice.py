@@ -85,7 +85,8 @@ def main(argv=None):
         rows.append(row)
         print(json.dumps(row), flush=True)
         result = dict(date=datetime.date.today().isoformat(), device=props.name, torch=torch.__version__,
-                      ridge_flop_per_byte=choose.ridge_flop_per_byte(props.major * 10 + props.minor), margin=choose.MARGIN, shapes=rows)
+                      ridge_flop_per_byte=choose.ridge_flop_per_byte(props.major * 10 + props.minor),
+                      margin=choose.MARGIN, shapes=rows)
         (args.out / "kernel_choice.json").write_text(json.dumps(result, indent=1))  # after each shape: a time
         del sets, default, inductor                                                  # limit keeps what ran
         torch.cuda.empty_cache()

@@ -166,7 +166,7 @@ def test_what_runs_on_cuda(monkeypatch):
     assert match_pass._what_runs({**args, "wq": object()}, "layer", "always") == (
         "CUDA projection plan: the plan (option plan='always')", None)
     assert match_pass._what_runs({**args, "wq": object()}, "layer", "never") == (
-        "left to the compiler", "left to the compiler (option plan='never', the default)")
+        "left to the compiler", "left to the compiler (option plan='never', the default without option cudagraphs)")
     from fusednorm.plans import choose
 
     def decide(a, norm, policy, host_time_counts, block=None):

@@ -10,6 +10,7 @@ import torch.fx
 from fusednorm.backend import fusednorm_backend
 from fusednorm.passes import match
 from fusednorm.passes.block_graph import BlockGraph
+from fusednorm.passes.rewrite import FUSED_OP
 from fusednorm.plans import choose
 
 transformers = pytest.importorskip("transformers")
@@ -77,6 +78,58 @@ def test_inductor_compiles_the_block_graph_on_random_inputs_of_its_layouts(monke
         assert t.dtype == torch.bool or t.float().std() > 0  # fresh random values, never zeros
     with torch.no_grad():
         torch.testing.assert_close(compiled(*ins), torch.fx.Interpreter(graph.gm).run(*ins), rtol=1e-4, atol=1e-4)
+
+
+def torch_decoder(_compiler=None):
+    """nn.TransformerDecoder(norm_first=True): its cross-attention block is one multi_head_attention_forward node,
+    which also projects K and V from the memory."""
+    layer = torch.nn.TransformerDecoderLayer(64, 4, 128, dropout=0.0, batch_first=True, norm_first=True)
+    model = torch.nn.TransformerDecoder(layer, num_layers=2).eval()
+    return model, dict(tgt=torch.randn(2, 16, 64), memory=torch.randn(2, 7, 64)), 2
+
+
+def fused_calls(gm):
+    return [n for n in gm.graph.nodes if n.target is FUSED_OP]
+
+
+@pytest.mark.parametrize("build", [t5, whisper, torch_decoder], ids=["t5", "whisper", "torch"])
+def test_the_replacement_computes_what_the_block_did(build, monkeypatch):
+    """The measured choice times the block's nodes against what the rewrite puts in their place: one fused call and
+    the nodes making its arguments (for nn.MultiheadAttention the K and V projections), over the same inputs."""
+    torch.manual_seed(0)
+    model, inputs, layers = build("eager")
+    seen = blocks_of(model, inputs, monkeypatch)
+    assert len(seen) == layers
+    for graph, _ in seen:
+        assert len(fused_calls(graph.replacement)) == 1 and not fused_calls(graph.gm)
+        _, ins, note = choose.compiler_block({}, "layer", 1e-5, None, graph, torch.device("cpu"))
+        assert note == ""
+        with torch.no_grad():
+            want = torch.fx.Interpreter(graph.gm).run(*ins)
+            got = choose._inductor(graph.replacement, ins)(*ins)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    if build is torch_decoder:
+        targets = [str(n.target) for n in seen[0][0].replacement.graph.nodes]
+        assert sum("linear" in t for t in targets) == 2  # K and V, projected beside the op as the rewrite emits them
+        assert any("multi_head_attention_forward" in str(n.target) for n in seen[0][0].gm.graph.nodes)
+
+
+def test_the_compilers_block_has_the_models_matmuls(monkeypatch):
+    """Inductor gets the block traced as the model's graph is: the random inputs require grad where the model's do,
+    and the trace runs in grad mode, so nn.MultiheadAttention's projections of its transposed inputs fold into mm
+    (the bmm against a weight expanded per row that a no_grad trace gives ran 6x slower on an H100)."""
+    torch.manual_seed(0)
+    model, inputs, _ = torch_decoder()
+    graph, _ = blocks_of(model, inputs, monkeypatch)[0]
+    traced = []
+    monkeypatch.setattr(torch._inductor, "compile", lambda gm, ins: traced.append(gm) or gm)
+    with torch.no_grad():
+        _, ins, _ = choose.compiler_block({}, "layer", 1e-5, None, graph, torch.device("cpu"))
+    assert [t.requires_grad for t in ins] == [value.requires_grad for _, value in graph.inputs]
+    assert any(t.requires_grad for t in ins) and not all(t.requires_grad for t in ins)
+    ops = [n.target for n in traced[0].graph.nodes if n.op == "call_function"]
+    assert torch.ops.aten.bmm.default not in ops
+    assert ops.count(torch.ops.aten.mm.default) + ops.count(torch.ops.aten.addmm.default) == 3  # Q, K/V, out
 
 
 def test_without_the_models_nodes_the_canonical_block_is_timed_and_the_reason_given():

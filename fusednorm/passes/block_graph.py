@@ -1,9 +1,12 @@
-"""A matched block's own nodes as a graph of their own: what the compiler would run for the block in this model.
+"""A matched block's own nodes as a graph of their own (what the compiler would run for the block in this model),
+and beside it what the rewrite puts in their place (the fused call and the nodes that make its arguments).
 
-The measured choice (plans/choose.py) times the fused op against the compiler on this graph rather than on a
-canonical block: a model's block is often slower than the canonical one (T5's attention is matmul, float32 softmax,
-matmul, where the canonical block has SDPA's fused kernel), and timing the canonical form would leave such a block
-to the compiler where the fused op is faster in the model (docs/PERF.md §3).
+The measured choice (plans/choose.py) times the two against each other rather than the op against a canonical
+block: a model's block is often slower than the canonical one (T5's attention is matmul, float32 softmax, matmul,
+where the canonical block has SDPA's fused kernel), and timing the canonical form would leave such a block to the
+compiler where the fused op is faster in the model (docs/PERF.md §3). The replacement holds what the block's nodes
+did that the op does not: nn.MultiheadAttention's block is one node that also projects K and V, which the rewrite
+emits again beside the op, so the op alone against that node would flatter the op.
 """
 from __future__ import annotations
 
@@ -11,6 +14,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.fx
+
+from ..patterns.tracing import EmitTracer
+from .rewrite import emit_fused, find_fake_mode
 
 
 @dataclass(frozen=True)
@@ -20,14 +26,17 @@ class BlockGraph:
     sources: tuple             # per placeholder: the name of the model's graph node it stands for
     output: str                # the name of the model's residual add
     signature: tuple           # the nodes' targets in order: blocks of one shape but other code are timed apart
+    replacement: torch.fx.GraphModule | None = None  # the same placeholders, what the rewrite emits; None: the op
 
 
-def block_graph(owned: set[torch.fx.Node], anchor: torch.fx.Node, roles: dict[torch.fx.Node, str]) -> BlockGraph | str:
+def block_graph(owned: set[torch.fx.Node], anchor: torch.fx.Node, roles: dict[torch.fx.Node, str],
+                fused=None) -> BlockGraph | str:
     """The ``owned`` nodes (the block; ``anchor`` its output) copied into a graph of their own, or why they cannot be.
 
     Inputs from outside the block become placeholders, named by ``roles`` (graph node -> op argument) where one is
     an op argument; an input that is a plain number is inlined. Only static-shape tensor inputs are allowed, so that
-    random inputs of the same shapes, strides and dtypes can run it."""
+    random inputs of the same shapes, strides and dtypes can run it. ``fused``: (pattern, matched values, options)
+    to build the replacement from."""
     order = {n: i for i, n in enumerate(anchor.graph.nodes)}
     body = sorted(owned, key=order.__getitem__)
     graph = torch.fx.Graph()
@@ -54,9 +63,32 @@ def block_graph(owned: set[torch.fx.Node], anchor: torch.fx.Node, roles: dict[to
         env[node] = graph.node_copy(node, lambda n: env[n])
         env[node].meta = {}  # the outer compile's fakes stay out of the nested one
     graph.output(env[anchor])
-    gm = torch.fx.GraphModule(anchor.graph.owning_module or torch.nn.Module(), graph)
+    root = anchor.graph.owning_module or torch.nn.Module()
+    gm = torch.fx.GraphModule(root, graph)
     signature = tuple((n.op, _target_name(n.target)) for n in body)
-    return BlockGraph(gm, tuple(inputs), tuple(sources), anchor.name, signature)
+    replacement = None if fused is None else _replacement(root, env, anchor, *fused)
+    return BlockGraph(gm, tuple(inputs), tuple(sources), anchor.name, signature, replacement)
+
+
+def _replacement(root, env: dict, anchor: torch.fx.Node, pattern, values: dict, options):
+    """The block graph's placeholders and, after them, what the rewrite emits for the match (rewrite.emit_fused),
+    or None where a matched value is a node inside the block (then only the op itself can be timed)."""
+    graph = torch.fx.Graph()
+    outer = {}
+    for node, copied in env.items():
+        if isinstance(copied, torch.fx.Node) and copied.op == "placeholder":
+            outer[node] = graph.placeholder(copied.name)
+            outer[node].meta["example_value"] = node.meta.get("example_value", node.meta.get("val"))
+        elif not isinstance(copied, torch.fx.Node):
+            outer[node] = copied  # a number the block graph inlined
+    if any(isinstance(v, torch.fx.Node) and v not in outer for v in values.values()):
+        return None
+    out = emit_fused(EmitTracer(graph, find_fake_mode(anchor.graph)), pattern,
+                     {p: outer.get(v, v) if isinstance(v, torch.fx.Node) else v for p, v in values.items()}, options)
+    graph.output(out.node)
+    for node in graph.nodes:
+        node.meta = {}  # as in the block graph: the outer compile's fakes stay out of the nested one
+    return torch.fx.GraphModule(root, graph)
 
 
 def _target_name(target) -> str:

@@ -164,7 +164,7 @@ def _check(pattern: Pattern, sm: StructuralMatch, space: HintSpace, order, optio
                                                                                                torch.fx.Node)}
     runs, no_kernel = _what_runs(args, pattern.norm, options.plan, options.kernel, options.cudagraphs,
                                  options.compiler, options.check_numerics,
-                                 block=lambda: block_graph(sm.owned, sm.anchor, named))
+                                 block=lambda: block_graph(sm.owned, sm.anchor, named, (pattern, sm.values, options)))
     if no_kernel:
         return Failure(pattern.name, no_kernel, roles, 5)
     return Candidate(pattern, sm.anchor, dict(sm.values), sm.owned, roles, args, runs)

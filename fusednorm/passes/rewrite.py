@@ -42,13 +42,18 @@ def _rewrite(graph: torch.fx.Graph, match, fake_mode, ctx: PassContext) -> None:
     pattern = match.pattern
     meta = {k: anchor.meta[k] for k in _KEPT_META if k in anchor.meta}
     with graph.inserting_before(anchor):
-        tracer = EmitTracer(graph, fake_mode, meta)
-        values = {p: tracer.wrap(v) for p, v in match.values.items()}
-        a = resolve(pattern.bind, values)
-        eps, scale = (float(v) if isinstance(v, (int, float)) else v for v in (a["eps"], a["scale"]))
-        fused = tracer.create_proxy(
-            "call_function", FUSED_OP,
-            (a["x"], a["k"], a["v"], a["gamma"], a["beta"], a["wq"], a["bq"], a["wo"], a["bo"], a["mask"],
-             pattern.norm, eps, scale, ctx.options.sm_count, bool(ctx.options.check_numerics)), {})
-        out = pattern.bind["output"](fused) if pattern.bind.get("output") is not None else fused
+        out = emit_fused(EmitTracer(graph, fake_mode, meta), pattern, match.values, ctx.options)
     anchor.replace_all_uses_with(out.node)
+
+
+def emit_fused(tracer: EmitTracer, pattern, values: dict, options):
+    """Emit, at the tracer's insertion point, what replaces a match: the op's arguments from the pattern's binding
+    on the matched ``values`` (pattern parameter -> node or number), the fused call, the output adapter; returns
+    the proxy of the block's new output."""
+    a = resolve(pattern.bind, {p: tracer.wrap(v) for p, v in values.items()})
+    eps, scale = (float(v) if isinstance(v, (int, float)) else v for v in (a["eps"], a["scale"]))
+    fused = tracer.create_proxy(
+        "call_function", FUSED_OP,
+        (a["x"], a["k"], a["v"], a["gamma"], a["beta"], a["wq"], a["bq"], a["wo"], a["bo"], a["mask"],
+         pattern.norm, eps, scale, options.sm_count, bool(options.check_numerics)), {})
+    return pattern.bind["output"](fused) if pattern.bind.get("output") is not None else fused

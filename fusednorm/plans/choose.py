@@ -1,19 +1,20 @@
 """Whether a matched block takes the fused op (the plan, or for a projection-free block the generated kernel) or stays
 with the compiler.
 
-Options: ``plan="never"`` (the default: blocks with projections stay with the compiler), ``"measure"``, ``"always"``
-(tests, benchmarks). With ``plan="measure"``, for each new (device, dtype, shapes, variant) the plan is timed
-against the compiler (Inductor) on the same block with random inputs of those shapes (the block as the model
-wrote it, its own nodes: passes/block_graph.py; the canonical block of ``unfused_block`` where they cannot be
-copied out), and taken only when it is
-faster on the GPU *and* its host time per call is below the compiler's GPU time: inside a compiled model the
-compiler's kernels of the block are launched from one generated wrapper, while the plan is an extern op call whose
-Python and cuBLAS launches cost host time of their own (dispatch.run_cuda_cached keeps a repeated signature's share
-small: ~120 µs per call on the H200 host, 180-290 before it). A model that is host-bound (an SD-1.5 UNet at batch 2
-is) pays that in full: timing the plan and the isolated block back-to-back, host costs on both sides included,
-once picked the plan for 10 UNet blocks and made the model 23 % slower (docs/PERF.md §3). GPU times come from
-CUDA-graph replay, so neither side's host cost leaks into them. With option ``cudagraphs`` the model replays CUDA
-graphs, the plan's host cost is paid once at capture, and GPU time alone decides (one measurement serves both).
+Options: ``plan="never"`` (the default without option cudagraphs: blocks with projections stay with the compiler),
+``"measure"`` (the default with it), ``"always"`` (tests, benchmarks). With ``plan="measure"``, for each new
+(device, dtype, shapes, variant) the plan is timed against the compiler (Inductor) on the same block with random
+inputs of those shapes (the block as the model wrote it, its own nodes, against what the rewrite puts in their
+place, both compiled by Inductor: passes/block_graph.py; the op against the canonical block of ``unfused_block``
+where the nodes cannot be copied out), and taken only when it is faster on the GPU *and* costs no more host time
+per call than the compiler's block: inside a compiled model the compiler's kernels of the block are launched from
+one generated wrapper, while the plan is an extern op call whose Python and cuBLAS launches cost host time of
+their own (168 µs per call for T5-base's block on the H200's host, 337 on an H100's). A model that is host-bound
+pays that in full and gains nothing from the GPU time saved: T5-base at batch 32 took 7.36 ms per call with its
+blocks on the plan against Inductor's 6.21, while its GPU time fell from 5.15 to 4.74 ms (docs/PERF.md §3); an
+SD-1.5 UNet at batch 2 once lost 23 % the same way. GPU times come from CUDA-graph replay, so neither side's host
+cost leaks into them. With option ``cudagraphs`` the model replays CUDA graphs, the plan's host cost is paid once
+at capture, and GPU time alone decides (one measurement serves both).
 
 ``kernel="auto"`` (the default for projection-free blocks) takes the generated kernel without measuring where the
 block is memory-bound and big enough to fill the GPU, and measures where it is not. Memory-bound means at most
@@ -36,6 +37,7 @@ import math
 import threading
 import time
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -58,7 +60,16 @@ class Choice:
     reason: str       # in words, for the report: what was measured or why nothing was
 
 
-_timings: dict[tuple, tuple | str] = {}   # per block shape: (fused GPU, fused host, compiler GPU) µs, or why not
+class Timing(NamedTuple):
+    """One block shape measured, µs per call: GPU time by CUDA-graph replay, host time enqueueing calls."""
+    fused_us: float
+    fused_host_us: float
+    compiler_us: float
+    compiler_host_us: float
+    note: str = ""    # for the report, where a side is a stand-in (the canonical block, the op alone)
+
+
+_timings: dict[tuple, Timing | str] = {}   # per block shape: its Timing, or why it could not be measured
 _lock = threading.Lock()
 
 
@@ -96,7 +107,7 @@ def decide(args: dict, norm: str, policy: str, host_time_counts: bool = True, bl
     if policy == "always":
         return Choice(True, f"the {what} (option {what}='always')")
     if policy == "never":
-        return Choice(False, "left to the compiler (option plan='never', the default)")
+        return Choice(False, "left to the compiler (option plan='never', the default without option cudagraphs)")
     tensors = {n: args[n] for n in ("x", "k", "v", "gamma", "beta", "wq", "bq", "wo", "bo", "mask")}
     dynamic = any(t is not None and not all(isinstance(s, int) for s in t.shape) for t in tensors.values())
     if policy == "auto":
@@ -124,9 +135,7 @@ def decide(args: dict, norm: str, policy: str, host_time_counts: bool = True, bl
     if isinstance(timed, str):
         hit = Choice(False, f"left to the compiler: the {what} could not be measured ({timed[:200]})")
     else:
-        fused_us, host_us, compiler_us, *note = timed
-        hit = _verdict(fused_us, host_us, compiler_us, what=what, host_time_counts=host_time_counts,
-                       compiler_note=note[0] if note else "")
+        hit = _verdict(Timing(*timed), what=what, host_time_counts=host_time_counts)
     if policy == "auto":
         return Choice(hit.fused, f"{hit.reason}; timed as option kernel='auto' does where {why}")
     return hit
@@ -175,8 +184,8 @@ def _key(tensors, norm, scale):
     return (torch.cuda.get_device_name(device), norm, scale, tuple(sig(t) for t in tensors.values()))
 
 
-def _measure(tensors, norm, eps, scale, graph=None) -> tuple | str:
-    """(fused GPU µs, fused host µs, compiler GPU µs, what the compiler ran), or why they could not be measured."""
+def _measure(tensors, norm, eps, scale, graph=None) -> Timing | str:
+    """The block's Timing, or why it could not be measured."""
     result: dict = {}
 
     def work():
@@ -191,37 +200,45 @@ def _measure(tensors, norm, eps, scale, graph=None) -> tuple | str:
     return result.get("times") or result.get("error", f"no result within {TIMEOUT_S:.0f} s")
 
 
-def _verdict(fused_us: float, fused_host_us: float, compiler_us: float, what: str = "plan",
-             host_time_counts: bool = True, compiler_note: str = "") -> Choice:
-    """The plan must beat the compiler on GPU time and on host time per call (see the module's docstring), the
-    kernel, or the plan replayed as CUDA graphs, on GPU time."""
-    measured = (f"measured {what} {fused_us:.1f} µs GPU, {fused_host_us:.1f} µs host per call vs compiler "
-                f"{compiler_us:.1f} µs GPU{compiler_note}")
+def _verdict(t: Timing, what: str = "plan", host_time_counts: bool = True) -> Choice:
+    """The fused side must beat the compiler by GPU time; the plan, unless replayed as CUDA graphs, must also cost
+    no more host time per call than the compiler's block (see the module's docstring)."""
+    measured = (f"measured {what} {t.fused_us:.1f} µs GPU, {t.fused_host_us:.1f} µs host per call vs compiler "
+                f"{t.compiler_us:.1f} µs GPU, {t.compiler_host_us:.1f} µs host{t.note}")
     if what == "plan" and not host_time_counts:
         measured += "; host time not counted: replayed as CUDA graphs (option cudagraphs)"
-    cost = max(fused_us, fused_host_us) if what == "plan" and host_time_counts else fused_us
-    if cost < MARGIN * compiler_us:
+    faster = t.fused_us < MARGIN * t.compiler_us
+    more_host = what == "plan" and host_time_counts and t.fused_host_us > t.compiler_host_us
+    if faster and not more_host:
         return Choice(True, f"the {what} ({measured})")
-    return Choice(False, f"left to the compiler: not faster ({measured})")
+    return Choice(False, f"left to the compiler: {'more host time per call' if faster else 'not faster'} ({measured})")
 
 
-def _time_both(tensors, norm, eps, scale, graph=None) -> tuple[float, float, float, str]:
-    """(fused op GPU µs, its host µs per call through the op, compiler GPU µs, what the compiler ran) for random
-    inputs of these shapes."""
+def _time_both(tensors, norm, eps, scale, graph=None) -> Timing:
+    """The block measured on random inputs of these shapes. The fused side is what the rewrite puts in the block's
+    place (the graph's replacement) where there is a graph of the block, else the op alone."""
     x = tensors["x"]
     device = torch.device("cuda", x.device.index if x.device.index is not None else torch.cuda.current_device())
     with torch.cuda.device(device), torch.no_grad():
         real = {n: _random_like(n, t, device) for n, t in tensors.items()}
         compiled, inputs, note = compiler_block(real, norm, eps, scale, graph, device)
         op_args = [real[n] for n in tensors] + [norm, eps, scale]
-        plan = lambda: torch.ops.fusednorm.pre_norm_cross_attn(*op_args)  # noqa: E731 - as a compiled graph calls it
+        plan = lambda: torch.ops.fusednorm.pre_norm_cross_attn(*op_args)  # noqa: E731 - as a graph calls it
+        replacement = None if note else getattr(graph, "replacement", None)
+        if replacement is not None:  # what the rewrite puts in the block's place, compiled as the model's graph is
+            try:
+                fused = _inductor(replacement, inputs)
+                plan = lambda: fused(*inputs)  # noqa: E731
+            except Exception as e:  # noqa: BLE001 - the op alone is still a fair stand-in
+                note = f" (against the op alone: {type(e).__name__}: {str(e)[:120]})"
         from .weights import GraphWeights
 
         with GraphWeights().capture():  # the folded weights read from their kept buffers, as in a model's graphs
             plan_us = _graph_us(plan)
         plan_host_us = _host_us(plan)
         compiler_us = _graph_us(lambda: compiled(*inputs))
-    return plan_us, plan_host_us, compiler_us, note
+        compiler_host_us = _host_us(lambda: compiled(*inputs))
+    return Timing(plan_us, plan_host_us, compiler_us, compiler_host_us, note)
 
 
 def compiler_block(real: dict, norm, eps, scale, graph, device) -> tuple:
@@ -233,8 +250,8 @@ def compiler_block(real: dict, norm, eps, scale, graph, device) -> tuple:
     if graph is not None and not isinstance(graph, str):
         try:
             inputs = [_random_strided(role, tuple(t.shape), tuple(t.stride()), t.dtype, device)
-                      for role, t in graph.inputs]
-            return torch._inductor.compile(make_fx(torch.fx.Interpreter(graph.gm).run)(*inputs), inputs), inputs, ""
+                      .requires_grad_(t.requires_grad) for role, t in graph.inputs]  # as the model's (_inductor)
+            return _inductor(graph.gm, inputs), inputs, ""
         except Exception as e:  # noqa: BLE001 - the canonical block is still a fair stand-in
             graph = f"{type(e).__name__}: {str(e)[:120]}"
     names = [n for n, t in real.items() if t is not None]
@@ -246,6 +263,18 @@ def compiler_block(real: dict, norm, eps, scale, graph, device) -> tuple:
     inputs = [real[n] for n in names]
     note = f" (on the canonical block: the model's nodes of it could not be timed, {graph})" if graph else ""
     return torch._inductor.compile(make_fx(block)(*inputs), inputs), inputs, note
+
+
+def _inductor(gm: torch.fx.GraphModule, inputs: list):
+    """``gm`` (a graph of Dynamo's level: torch functions, modules' calls) compiled by Inductor for ``inputs``,
+    traced to aten as the model's graph is: with grad mode on, so that a linear on a weight that requires grad
+    folds its batch dims into one mm (under no_grad a transposed input, nn.MultiheadAttention's, makes it a bmm
+    against the weight expanded per row: 6x slower on an H100)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    with torch.enable_grad():
+        traced = make_fx(torch.fx.Interpreter(gm).run)(*inputs)
+    return torch._inductor.compile(traced, inputs)
 
 def _random_like(name, t, device):
     """Fresh random values of t's shape and dtype (never zeros), contiguous: the op argument ``name``'s."""

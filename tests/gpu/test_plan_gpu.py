@@ -205,7 +205,22 @@ def test_measured_choice_is_reported():
     _, report = compile_and_run(*decoder_layer(4, 256), "measure")
     texts = [m.runs for m in report.matches] + [n.reason for n in report.near_misses]
     assert any("measured plan" in s and "host per call" in s for s in texts), texts
-    assert not any("on the canonical block" in s for s in texts), texts
+    assert not any("on the canonical block" in s or "op alone" in s for s in texts), texts
+
+
+def test_with_cudagraphs_the_default_measures_the_plan_on_gpu_time():
+    """options={"cudagraphs": True} and no plan option: the block is measured, the plan (with the nodes the rewrite
+    emits beside it) against the block's own nodes, and GPU time alone decides; the result matches eager."""
+    torch.manual_seed(0)
+    layer, inputs = decoder_layer(4, 256)
+    report = Report()
+    with torch.no_grad():
+        want = layer(*inputs)
+        got = torch.compile(layer, backend="fusednorm", options={"report": report, "cudagraphs": True})(*inputs)
+    texts = [m.runs for m in report.matches] + [n.reason for n in report.near_misses]
+    assert any("measured plan" in s and "host time not counted" in s for s in texts), texts
+    assert not any("canonical block" in s or "op alone" in s for s in texts), texts
+    assert ((got.double() - want.double()).norm() / want.double().norm()).item() < 2e-2
 
 
 def test_by_default_blocks_with_projections_stay_with_the_compiler():
