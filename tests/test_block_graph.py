@@ -114,6 +114,24 @@ def test_the_replacement_computes_what_the_block_did(build, monkeypatch):
         assert any("multi_head_attention_forward" in str(n.target) for n in seen[0][0].gm.graph.nodes)
 
 
+def test_a_replacement_that_cannot_be_emitted_leaves_the_block_graph_and_says_why(monkeypatch):
+    """The compiler is still timed on the block's own nodes; the fused side falls back to the op alone, and the
+    reason reaches the report (choose._time_both notes it)."""
+    from fusednorm.passes import block_graph
+
+    def broken(*args):
+        raise RuntimeError("no fakes here")
+
+    monkeypatch.setattr(block_graph, "emit_fused", broken)
+    torch.manual_seed(0)
+    model, inputs, layers = torch_decoder()
+    seen = blocks_of(model, inputs, monkeypatch)
+    assert len(seen) == layers
+    for graph, _ in seen:
+        assert isinstance(graph, BlockGraph) and len(list(graph.gm.graph.nodes)) > 2
+        assert graph.replacement == "emitting it raised RuntimeError: no fakes here"
+
+
 def test_the_compilers_block_has_the_models_matmuls(monkeypatch):
     """Inductor gets the block traced as the model's graph is: the random inputs require grad where the model's do,
     and the trace runs in grad mode, so nn.MultiheadAttention's projections of its transposed inputs fold into mm

@@ -26,7 +26,8 @@ class BlockGraph:
     sources: tuple             # per placeholder: the name of the model's graph node it stands for
     output: str                # the name of the model's residual add
     signature: tuple           # the nodes' targets in order: blocks of one shape but other code are timed apart
-    replacement: torch.fx.GraphModule | None = None  # the same placeholders, what the rewrite emits; None: the op
+    replacement: torch.fx.GraphModule | str | None = None  # the same placeholders and what the rewrite emits; a
+                                                            # str: why there is none (the op alone is timed)
 
 
 def block_graph(owned: set[torch.fx.Node], anchor: torch.fx.Node, roles: dict[torch.fx.Node, str],
@@ -66,13 +67,16 @@ def block_graph(owned: set[torch.fx.Node], anchor: torch.fx.Node, roles: dict[to
     root = anchor.graph.owning_module or torch.nn.Module()
     gm = torch.fx.GraphModule(root, graph)
     signature = tuple((n.op, _target_name(n.target)) for n in body)
-    replacement = None if fused is None else _replacement(root, env, anchor, *fused)
+    try:
+        replacement = None if fused is None else _replacement(root, env, anchor, *fused)
+    except Exception as e:  # noqa: BLE001 - the block's nodes are still timed, against the op alone
+        replacement = f"emitting it raised {type(e).__name__}: {str(e)[:120]}"
     return BlockGraph(gm, tuple(inputs), tuple(sources), anchor.name, signature, replacement)
 
 
 def _replacement(root, env: dict, anchor: torch.fx.Node, pattern, values: dict, options):
     """The block graph's placeholders and, after them, what the rewrite emits for the match (rewrite.emit_fused),
-    or None where a matched value is a node inside the block (then only the op itself can be timed)."""
+    or why there is none."""
     graph = torch.fx.Graph()
     outer = {}
     for node, copied in env.items():
@@ -81,10 +85,11 @@ def _replacement(root, env: dict, anchor: torch.fx.Node, pattern, values: dict, 
             outer[node].meta["example_value"] = node.meta.get("example_value", node.meta.get("val"))
         elif not isinstance(copied, torch.fx.Node):
             outer[node] = copied  # a number the block graph inlined
-    if any(isinstance(v, torch.fx.Node) and v not in outer for v in values.values()):
-        return None
+    inside = [p for p, v in values.items() if isinstance(v, torch.fx.Node) and v not in outer]
+    if inside:
+        return f"the matched {', '.join(inside)} is made inside the block"
     out = emit_fused(EmitTracer(graph, find_fake_mode(anchor.graph)), pattern,
-                     {p: outer.get(v, v) if isinstance(v, torch.fx.Node) else v for p, v in values.items()}, options)
+                     {p: outer[v] if isinstance(v, torch.fx.Node) else v for p, v in values.items()}, options)
     graph.output(out.node)
     for node in graph.nodes:
         node.meta = {}  # as in the block graph: the outer compile's fakes stay out of the nested one

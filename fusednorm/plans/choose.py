@@ -225,7 +225,9 @@ def _time_both(tensors, norm, eps, scale, graph=None) -> Timing:
         op_args = [real[n] for n in tensors] + [norm, eps, scale]
         plan = lambda: torch.ops.fusednorm.pre_norm_cross_attn(*op_args)  # noqa: E731 - as a graph calls it
         replacement = None if note else getattr(graph, "replacement", None)
-        if replacement is not None:  # what the rewrite puts in the block's place, compiled as the model's graph is
+        if isinstance(replacement, str):
+            note = f" (against the op alone: {replacement})"
+        elif replacement is not None:  # what the rewrite puts in the block's place, compiled as the model's graph is
             try:
                 fused = _inductor(replacement, inputs)
                 plan = lambda: fused(*inputs)  # noqa: E731
