@@ -54,7 +54,7 @@ class Options:
         opts = cls(**options)
         from .plans.choose import KERNEL_POLICIES, POLICIES
 
-        if opts.plan not in POLICIES + (None,):
+        if opts.plan not in POLICIES:
             raise ValueError(f"fusednorm: option plan={opts.plan!r}; expected one of {POLICIES}")
         if opts.kernel not in KERNEL_POLICIES:
             raise ValueError(f"fusednorm: option kernel={opts.kernel!r}; expected one of {KERNEL_POLICIES}")

@@ -33,7 +33,7 @@ def measured(monkeypatch):
     def measure(tensors, norm, eps, scale, graph=None):
         calls.append(tuple(tensors["x"].shape))
         fused_us, compiler_us = (50.0, 80.0) if tensors["x"].shape[1] == 64 else (80.0, 79.0)
-        return fused_us, 30.0, compiler_us, 40.0
+        return Timing(fused_us, 30.0, compiler_us, 40.0)
 
     monkeypatch.setattr(choose, "_measure", measure)
     monkeypatch.setattr(choose, "_key", lambda tensors, norm, scale: (norm, scale, tuple(
@@ -77,7 +77,8 @@ def test_the_compiler_is_timed_on_the_models_own_nodes_once_per_code_and_shape(m
     """The block's nodes (a BlockGraph from the match) reach the measurement; blocks of one shape but other code
     (T5's matmul-softmax-matmul against SDPA) are timed apart, and the nodes are copied out only to be timed."""
     graphs, made = [], []
-    monkeypatch.setattr(choose, "_measure", lambda t, n, e, s, graph=None: graphs.append(graph) or (50, 30, 80, 40))
+    monkeypatch.setattr(choose, "_measure",
+                        lambda t, n, e, s, graph=None: graphs.append(graph) or Timing(50, 30, 80, 40))
     monkeypatch.setattr(choose, "_key", lambda tensors, norm, scale: "one shape")
     monkeypatch.setattr(choose, "_timings", {})
 
@@ -94,9 +95,11 @@ def test_the_compiler_is_timed_on_the_models_own_nodes_once_per_code_and_shape(m
     monkeypatch.setattr(choose, "_timings", {})
     choose.decide(args(), "layer", "measure", block=lambda: {}["x"])  # a failed copy never fails the match
     assert graphs[-1] == "copying its nodes raised KeyError: 'x'"
-    monkeypatch.setattr(choose, "_measure", lambda *a: (50, 30, 80, 40, " (on the canonical block: why)"))
+    noted = Timing(50, 30, 80, 40, " (on the canonical block: why)")
+    monkeypatch.setattr(choose, "_measure", lambda *a: noted)
     monkeypatch.setattr(choose, "_timings", {})
-    assert "vs compiler 80.0 µs GPU, 40.0 µs host (on the canonical block: why)" in choose.decide(args(), "layer", "measure").reason
+    reason = choose.decide(args(), "layer", "measure").reason
+    assert "vs compiler 80.0 µs GPU, 40.0 µs host (on the canonical block: why)" in reason
 
 
 def test_the_default_option_leaves_blocks_with_projections_to_the_compiler(measured):
@@ -224,7 +227,7 @@ def test_replayed_as_cuda_graphs_the_plan_is_judged_on_gpu_time_alone(monkeypatc
     """Option cudagraphs: the plan's host cost is paid once at capture, so a plan faster on the GPU is taken even
     where its host time per call exceeds the compiler's GPU time; one measurement serves both settings."""
     calls = []
-    monkeypatch.setattr(choose, "_measure", lambda *a: calls.append(a) or (40.0, 180.0, 80.0, 40.0))
+    monkeypatch.setattr(choose, "_measure", lambda *a: calls.append(a) or Timing(40.0, 180.0, 80.0, 40.0))
     monkeypatch.setattr(choose, "_key", lambda tensors, norm, scale: "one shape")
     monkeypatch.setattr(choose, "_timings", {})
     with_host = choose.decide(args(), "layer", "measure")

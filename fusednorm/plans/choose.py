@@ -135,7 +135,7 @@ def decide(args: dict, norm: str, policy: str, host_time_counts: bool = True, bl
     if isinstance(timed, str):
         hit = Choice(False, f"left to the compiler: the {what} could not be measured ({timed[:200]})")
     else:
-        hit = _verdict(Timing(*timed), what=what, host_time_counts=host_time_counts)
+        hit = _verdict(timed, what=what, host_time_counts=host_time_counts)
     if policy == "auto":
         return Choice(hit.fused, f"{hit.reason}; timed as option kernel='auto' does where {why}")
     return hit
