@@ -83,6 +83,7 @@ def gpu(monkeypatch):
 
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(codegen, "_current_device", lambda: 0)  # what the call key reads
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     monkeypatch.setattr(op, "check_inputs", check_inputs)
     monkeypatch.setattr(codegen, "why_no_kernel", why_no_kernel)
@@ -220,6 +221,7 @@ def test_force_role_and_current_device_are_part_of_the_key(gpu, monkeypatch):
     fused(**t)
     assert gpu.checks == 2 and gpu.launches[1].kernel.spec.key.startswith("fake_short")
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    monkeypatch.setattr(codegen, "_current_device", lambda: 1)
     fused(**t)
     assert gpu.checks == 3 and gpu.launches[2].kernel.device_index == 1 and gpu.launches[2].stream == 1001
 

@@ -76,22 +76,54 @@ def test_kv_views_become_map_dims_innermost_first_with_broadcast_dims_of_size_on
     assert not tensormap.describable(1 << 20, *codegen._kv_map_dims(repeated_key))
 
 
-def test_a_call_finds_its_four_maps_with_one_lookup(fake_encoder, monkeypatch):
+def test_a_call_keeps_its_four_maps_by_pointers(fake_encoder):
     from fusednorm.codegen.spec import tile_for
 
-    monkeypatch.setattr(codegen, "_maps_by_call", {})
     tile = tile_for("few_keys", 64, 90)
     x = torch.empty(2, 130, 256, dtype=torch.bfloat16)
     k = torch.empty(2, 77, 4, 64, dtype=torch.bfloat16).transpose(1, 2)
     v = torch.empty(2, 77, 4, 64, dtype=torch.bfloat16).transpose(1, 2)
     y = torch.empty(2, 130, 264, dtype=torch.bfloat16)  # the plan's o: a ones column past the heads
-    maps = codegen._tma_maps(tile, x, k, v, y)
+    cache = {}
+    maps = codegen._tma_maps(tile, x, k, v, y, cache)
+    assert cache == {(x.data_ptr(), k.data_ptr(), v.data_ptr(), y.data_ptr()): maps}
     assert len(maps) == 4 * tensormap.MAP_BYTES == codegen._launch.MAPS_BYTES and len(fake_encoder) == 4
     x_call, k_call, _, y_call = fake_encoder
     assert (x_call["dims"], x_call["box"]) == ([256, 130, 2], [64, tile.block_m, 1])
     assert (k_call["dims"], k_call["box"]) == ([64, 77, 4, 2], [64, tile.kv_rows, 1, 1])
     assert (y_call["dims"], y_call["box"]) == ([264, 130, 2], [64, tile.rows_per_warp, 1])
     assert y_call["strides"] == [2 * 264, 2 * 264 * 130]
-    assert codegen._tma_maps(tile, x, k, v, y) is maps and len(fake_encoder) == 4
-    k2 = k.clone()  # the same layout elsewhere: k's map is encoded again, the others come from the cache
-    assert codegen._tma_maps(tile, x, k2, v, y) != maps and len(fake_encoder) == 5
+    k2 = k.clone()  # the same layout elsewhere: k's map is encoded again, the others come from tensormap's cache
+    assert codegen._tma_maps(tile, x, k2, v, y, cache) != maps and len(fake_encoder) == 5 and len(cache) == 2
+
+
+def test_a_cached_call_finds_its_maps_by_pointers_and_encodes_only_what_moved(fake_encoder, monkeypatch):
+    """launch_call keeps the maps on the call (its key fixes shapes, strides and tile): the same tensors again
+    encode nothing, a k elsewhere encodes k's map alone, and every launch gets the maps of its own pointers."""
+    from types import SimpleNamespace
+
+    from fusednorm.codegen.spec import tile_for
+
+    tile = tile_for("few_keys", 64, 90)
+    assert tile.tma
+    kernel = SimpleNamespace(spec=SimpleNamespace(tile=tile, key="fake_tma"), device_index=0)
+    launched = []
+    monkeypatch.setattr(codegen._launch, "launch", lambda kernel, grid, stream, pointers, tail, maps=b"":
+                        launched.append((pointers, maps)))
+    monkeypatch.setattr(codegen, "_raw_stream", lambda device_index: 1000)
+    call = codegen.CallPlan(kernel, 4, False, (), 256)
+    x = torch.empty(2, 130, 256, dtype=torch.bfloat16)
+    k = torch.empty(2, 77, 4, 64, dtype=torch.bfloat16).transpose(1, 2)
+    v = torch.empty(2, 77, 4, 64, dtype=torch.bfloat16).transpose(1, 2)
+    y = torch.empty_like(x)  # every call's output lands here, as the caching allocator hands back a freed block
+    monkeypatch.setattr(torch, "empty_like", lambda t, memory_format=None: y)
+    codegen.launch_call(call, x, k, v, None, None, None)
+    codegen.launch_call(call, x, k, v, None, None, None)
+    assert len(fake_encoder) == 4 and launched[1][1] is launched[0][1]
+    k2 = k.clone()
+    codegen.launch_call(call, x, k2, v, None, None, None)
+    assert len(fake_encoder) == 5 and launched[2][1] != launched[0][1] and len(call.maps) == 2
+    for (pointers, maps), kk in zip(launched, (k, k, k2)):
+        assert pointers[:4] == (x.data_ptr(), y.data_ptr(), kk.data_ptr(), v.data_ptr())
+        assert maps == call.maps[(x.data_ptr(), kk.data_ptr(), v.data_ptr(), y.data_ptr())]
+    assert codegen.CallPlan(kernel, 4, False, (), 256).maps == {}  # each cached call has its own

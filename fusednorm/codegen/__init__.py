@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -264,6 +264,9 @@ class CallPlan:
     out_cols: int  # columns of the output rows: D, or the stage's o_cols
     chunk_units: int = 0  # with keys split between CTAs: the tickets, one per (batch, row block, head); else 0
     part_floats: int = 0  # and the floats of their partial states (Params.part)
+    # tma tiles: TmaMaps by (x, k, v, y) pointers. The call key fixes every other input of the maps (shapes,
+    # strides, the tile), so the pointers alone find them: one small tuple per call instead of shapes and strides
+    maps: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
 
 
 call_plans: dict[tuple, CallPlan] = {}
@@ -285,11 +288,13 @@ def call_key(x, k, v, gamma, beta, mask, norm, eps, scale, sm_count, check_numer
                                     gamma.data_ptr() % 16 == 0),
         None if beta is None else (beta.shape, beta.stride(), beta.dtype, beta.device, beta.data_ptr() % 16 == 0),
         None if mask is None else (mask.shape, mask.stride(), mask.dtype, mask.device, mask.data_ptr() % 16 == 0),
-        norm, eps, scale, sm_count, check_numerics, torch.cuda.current_device(), _select.force_role,
+        norm, eps, scale, sm_count, check_numerics, _current_device(), _select.force_role,
         _select.force_heads_per_item, _select.force_kv_chunks,
     )
 
 
+# torch's current device without torch.cuda.current_device()'s lazy-init check (a CUDA tensor's call: initialised)
+_current_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
 # torch's current stream as a raw cudaStream_t; the private getter skips building a torch.cuda.Stream per call
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (
     lambda device_index: torch.cuda.current_stream(device_index).cuda_stream)
@@ -317,12 +322,17 @@ def launch_call(call: CallPlan, x, k, v, gamma, beta, mask, stage: StageIO | Non
     if call.chunk_units:  # the tickets start at zero (the kernel leaves them so, but a fresh buffer may not be)
         part = torch.empty(call.part_floats, dtype=torch.float32, device=x.device)
         tickets = torch.zeros(call.chunk_units, dtype=torch.int32, device=x.device)
-    pointers = (x.data_ptr(), y.data_ptr(), k.data_ptr(), v.data_ptr(),
+    xp, yp, kp, vp = x.data_ptr(), y.data_ptr(), k.data_ptr(), v.data_ptr()
+    pointers = (xp, yp, kp, vp,
                 gamma.data_ptr() if gamma is not None else 0, beta.data_ptr() if beta is not None else 0,
                 mask.data_ptr() if mask is not None else 0, flag.data_ptr() if flag is not None else 0,
                 *_stage_pointers(stage), part.data_ptr() if part is not None else 0,
                 tickets.data_ptr() if tickets is not None else 0)
-    maps = _tma_maps(call.kernel.spec.tile, x, k, v, y) if call.kernel.spec.tile.tma else b""
+    maps = b""
+    if call.kernel.spec.tile.tma:
+        maps = call.maps.get((xp, kp, vp, yp))
+        if maps is None:
+            maps = _tma_maps(call.kernel.spec.tile, x, k, v, y, call.maps)
     _launch.launch(call.kernel, call.grid, _raw_stream(device_index), pointers, call.tail, maps)
     if flag is not None:
         _raise_if_flagged(flag, call.kernel.spec.key)
@@ -337,18 +347,15 @@ def _kv_map_dims(t: torch.Tensor) -> tuple[tuple, tuple]:
     return (d, Lk, H if s[1] else 1, B if s[0] else 1), (1, s[2], s[1], s[0])
 
 
-_maps_by_call: dict[tuple, bytes] = {}  # one lookup per call where three would cost ~1.5 µs more
+_MAPS_PER_CALL = 64  # pointer sets kept per cached call (a model's activations sit at a few addresses)
 
 
-def _tma_maps(tile, x: torch.Tensor, k: torch.Tensor, v: torch.Tensor, y: torch.Tensor) -> bytes:
+def _tma_maps(tile, x: torch.Tensor, k: torch.Tensor, v: torch.Tensor, y: torch.Tensor, cache: dict) -> bytes:
     """TmaMaps for a tile whose stages are bulk copies: x (contiguous) as [B, Lq, D] in boxes of 64 columns by the
     tile's rows, k and v as strided [B, H, Lk, d] in boxes of 64 columns by a stage's keys, y (contiguous, D or the
-    stage's o columns) in boxes of 64 columns by a warp's rows (dims innermost first)."""
-    key = (x.data_ptr(), k.data_ptr(), v.data_ptr(), y.data_ptr(), x.shape, y.shape, k.shape, k.stride(), v.stride(),
-           tile.block_m, tile.kv_rows)
-    hit = _maps_by_call.get(key)
-    if hit is not None:
-        return hit
+    stage's o columns) in boxes of 64 columns by a warp's rows (dims innermost first). Kept in ``cache`` (the
+    call's) by the four pointers; each map also stays in tensormap's own cache, so a new set of pointers encodes
+    only the maps whose tensor moved."""
     B, Lq, D = x.shape
     cols = y.shape[2]
     kv_box = (64, tile.kv_rows, 1, 1)
@@ -356,9 +363,9 @@ def _tma_maps(tile, x: torch.Tensor, k: torch.Tensor, v: torch.Tensor, y: torch.
             + _tensormap.tile_map(k.data_ptr(), *_kv_map_dims(k), kv_box)
             + _tensormap.tile_map(v.data_ptr(), *_kv_map_dims(v), kv_box)
             + _tensormap.tile_map(y.data_ptr(), (cols, Lq, B), (1, cols, Lq * cols), (64, tile.rows_per_warp, 1)))
-    if len(_maps_by_call) >= _CALL_PLANS_MAX:
-        _maps_by_call.clear()
-    _maps_by_call[key] = maps
+    if len(cache) >= _MAPS_PER_CALL:
+        cache.clear()
+    cache[(x.data_ptr(), k.data_ptr(), v.data_ptr(), y.data_ptr())] = maps
     return maps
 
 

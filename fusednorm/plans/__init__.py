@@ -56,7 +56,7 @@ def run_plan(x, k, v, gamma, beta, wq, bq, wo, bo, mask, norm, eps, scale, sm_co
     folded = fold_weights(norm, gamma, beta, wq, bq, wo, bo, x.dtype)
     stage = codegen.StageIO()
     if wq is not None:
-        stage.qraw = gemm_f32_out(x2, folded.wq.t())
+        stage.qraw = gemm_f32_out(x2, folded.wq_t)
         stage.q_u, stage.q_b = folded.u, folded.b
         gamma = beta = None  # folded into Wq'
     if wo is not None:
@@ -71,7 +71,7 @@ def run_plan(x, k, v, gamma, beta, wq, bq, wo, bo, mask, norm, eps, scale, sm_co
                                stage=stage)
     if wo is None:
         return o  # the stage added the residual
-    y = y2.addmm_(o.view(B * Lq, folded.o_cols), folded.wo.t()).view(B, Lq, D)
+    y = y2.addmm_(o.view(B * Lq, folded.o_cols), folded.wo_t).view(B, Lq, D)
     if check_numerics:
         from ..numerics import raise_if_not_finite
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import threading
 from contextlib import contextmanager
 from dataclasses import dataclass, fields
+from functools import cached_property
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -39,6 +40,15 @@ class FoldedWeights:
     def tensors(self) -> list:
         return [getattr(self, f.name) for f in fields(self) if f.name != "o_cols"]
 
+    # the GEMMs' B operands, made once per set of weights (views: an in-place refold shows through them)
+    @cached_property
+    def wq_t(self) -> torch.Tensor:
+        return self.wq.t()
+
+    @cached_property
+    def wo_t(self) -> torch.Tensor:
+        return self.wo.t()
+
 
 class _Entry:
     """One set of weights' folded buffers and the version counters they were folded at."""
@@ -46,7 +56,8 @@ class _Entry:
     @torch.no_grad()
     def __init__(self, norm, dtype, sources):
         self.norm, self.dtype = norm, dtype
-        self.refs = tuple(None if t is None else StorageWeakRef(t.untyped_storage()) for t in sources)
+        self.refs = tuple(StorageWeakRef(t.untyped_storage()) for t in sources if t is not None)
+        self._weak = tuple(ref.cdata for ref in self.refs)  # what expired() asks about (the refs keep them valid)
         self.versions = _versions(sources)
         folded = _fold(norm, *sources, dtype)
         fresh = folded.tensors()
@@ -57,7 +68,7 @@ class _Entry:
                                     folded.o_cols)
 
     def expired(self) -> bool:
-        return any(ref is not None and ref.expired() for ref in self.refs)
+        return any(map(_storage_expired, self._weak))
 
     def refresh(self, sources) -> None:
         """Fold again, in place, if any weight changed since (not while capturing)."""
@@ -112,6 +123,7 @@ class GraphWeights:
 
 
 _capture = threading.local()
+_storage_expired = torch.Storage._expired  # StorageWeakRef.expired without its method call
 _cache: dict[tuple, _Entry] = {}
 _lock = threading.Lock()  # threads serving one model share the entries: one looks up, makes or refolds at a time
 _CACHE_LIMIT = 64
@@ -127,9 +139,6 @@ def fold_weights(norm, gamma, beta, wq, bq, wo, bo, dtype) -> FoldedWeights:
     """
     sources = (gamma, beta, wq, bq, wo, bo)
     present = [t for t in sources if t is not None]
-    if any(t.is_inference() for t in present):  # no version counter: a change could not be seen
-        with torch.no_grad():
-            return _fold(norm, *sources, dtype)
     key = (norm, dtype, tuple(None if t is None else (t.data_ptr(), t.shape, t.stride()) for t in sources))
     with _lock:
         return _cached_fold(key, norm, dtype, sources, present)
@@ -140,6 +149,11 @@ def _cached_fold(key, norm, dtype, sources, present) -> FoldedWeights:
     if entry is not None and entry.expired():
         del _cache[key]
         entry = None
+    if entry is None and any(t.is_inference() for t in present):
+        # no version counter: a change could not be seen. A hit needs no such check: entries are made from tensors
+        # with one, and a tensor on an entry's live storage is a view of it (views made in inference mode too)
+        with torch.no_grad():
+            return _fold(norm, *sources, dtype)
     if present and capturing(present[0]):
         held = getattr(_capture, "held", None)
         if entry is None or held is None or entry.versions != _versions(sources):
