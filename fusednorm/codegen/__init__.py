@@ -332,7 +332,9 @@ def launch_call(call: CallPlan, x, k, v, gamma, beta, mask, stage: StageIO | Non
     if call.kernel.spec.tile.tma:
         maps = call.maps.get((xp, kp, vp, yp))
         if maps is None:
-            maps = _tma_maps(call.kernel.spec.tile, x, k, v, y, call.maps)
+            if len(call.maps) >= _MAPS_PER_CALL:
+                call.maps.clear()
+            maps = call.maps[xp, kp, vp, yp] = _tma_maps(call.kernel.spec.tile, x, k, v, y)
     _launch.launch(call.kernel, call.grid, _raw_stream(device_index), pointers, call.tail, maps)
     if flag is not None:
         _raise_if_flagged(flag, call.kernel.spec.key)
@@ -350,12 +352,11 @@ def _kv_map_dims(t: torch.Tensor) -> tuple[tuple, tuple]:
 _MAPS_PER_CALL = 64  # pointer sets kept per cached call (a model's activations sit at a few addresses)
 
 
-def _tma_maps(tile, x: torch.Tensor, k: torch.Tensor, v: torch.Tensor, y: torch.Tensor, cache: dict) -> bytes:
+def _tma_maps(tile, x: torch.Tensor, k: torch.Tensor, v: torch.Tensor, y: torch.Tensor) -> bytes:
     """TmaMaps for a tile whose stages are bulk copies: x (contiguous) as [B, Lq, D] in boxes of 64 columns by the
     tile's rows, k and v as strided [B, H, Lk, d] in boxes of 64 columns by a stage's keys, y (contiguous, D or the
-    stage's o columns) in boxes of 64 columns by a warp's rows (dims innermost first). Kept in ``cache`` (the
-    call's) by the four pointers; each map also stays in tensormap's own cache, so a new set of pointers encodes
-    only the maps whose tensor moved."""
+    stage's o columns) in boxes of 64 columns by a warp's rows (dims innermost first). Each map stays in
+    tensormap's own cache, so a call whose pointers are new encodes only the maps whose tensor moved."""
     B, Lq, D = x.shape
     cols = y.shape[2]
     kv_box = (64, tile.kv_rows, 1, 1)
@@ -363,9 +364,6 @@ def _tma_maps(tile, x: torch.Tensor, k: torch.Tensor, v: torch.Tensor, y: torch.
             + _tensormap.tile_map(k.data_ptr(), *_kv_map_dims(k), kv_box)
             + _tensormap.tile_map(v.data_ptr(), *_kv_map_dims(v), kv_box)
             + _tensormap.tile_map(y.data_ptr(), (cols, Lq, B), (1, cols, Lq * cols), (64, tile.rows_per_warp, 1)))
-    if len(cache) >= _MAPS_PER_CALL:
-        cache.clear()
-    cache[(x.data_ptr(), k.data_ptr(), v.data_ptr(), y.data_ptr())] = maps
     return maps
 
 

@@ -287,6 +287,7 @@ def _inductor(gm: torch.fx.GraphModule, inputs: list):
         traced = make_fx(torch.fx.Interpreter(gm).run)(*inputs)
     return torch._inductor.compile(traced, inputs)
 
+
 def _random_like(name, t, device):
     """Fresh random values of t's shape and dtype (never zeros), contiguous: the op argument ``name``'s."""
     if t is None:
