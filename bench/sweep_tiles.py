@@ -1,10 +1,12 @@
 """Time candidate tile configurations of the generated kernel on the benchmark shapes (one run, one GPU).
 
-    PYTHONPATH=. python bench/sweep_tiles.py [--shapes seed,t5_dec]
+    PYTHONPATH=. python bench/sweep_tiles.py [--shapes seed,t5_dec] [--form proj]
 
 For each shape: the role the run-time choice picks, then each candidate TileConfig swapped in for that role
 (compiled on the spot), with its GPU time (CUDA-graph replay median) and its difference from eager. Use it to
-choose `spec.tile_for`; the chosen table is what CI compiles.
+choose `spec.tile_for`; the chosen table is what CI compiles. With ``--form proj`` the block is the projection plan
+and the tiles are its attention stage's: the planned stage first, then, up to FEW_KEYS keys, the few_keys role's
+candidates forced (the stage takes that role only where its items fill the GPU 4 times over).
 """
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import fusednorm.codegen as codegen  # noqa: E402
-from bench_block import SHAPES, NoProjForm, graph_time_us, rel_diff  # noqa: E402
+from bench_block import FORMS, SHAPES, graph_time_us, rel_diff  # noqa: E402
 from fusednorm.codegen import select, spec as spec_mod  # noqa: E402
 from fusednorm.codegen.spec import TileConfig  # noqa: E402
 
@@ -75,8 +77,9 @@ def main():
                     "('--only none' skips the tile candidates)")
     ap.add_argument("--chunks", default="", help="key-split tiles: runs of keys per head to time the chosen tile "
                     "with, e.g. 1,2,4,8 (1: no split between CTAs)")
+    ap.add_argument("--form", default="noproj", choices=sorted(FORMS))
     args = ap.parse_args()
-    form = NoProjForm()
+    form = FORMS[args.form]()
     gen = torch.Generator(device="cuda").manual_seed(0)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     major, minor = torch.cuda.get_device_capability(0)
@@ -84,13 +87,20 @@ def main():
     original = spec_mod.tile_for
     original_min_ctas = spec_mod.KernelSpec.min_ctas_per_sm
     for name in args.shapes.split(","):
-        shape = SHAPES[name]
+        shape = {**SHAPES, **form.shapes}[name]
         B, Lq, D, H, Lk = shape
         d = D // H
         t = form.make_inputs(shape, torch.bfloat16, gen)
         ref = form.eager(**t)
-        role = select.tile_role(Lq, Lk, B, H, sms)
-        print(f"{name} {shape} role={role} default={original(role, d, arch).token}", flush=True)
+        stage = args.form == "proj"
+        role = select.tile_role(Lq, Lk, B, H, sms, stage=stage)
+        print(f"{name} {shape} role={role} default={original(role, d, arch, stage).token}", flush=True)
+        if stage:
+            print(f"  planned stage    {graph_time_us(form.fused, [t], min_total_s=0.1):8.1f} us  rel diff "
+                  f"{rel_diff(form.fused(**t), ref):.1e}", flush=True)
+            if Lk > spec_mod.FEW_KEYS:
+                continue
+            role = select.force_role = "few_keys"
         for tile, min_ctas in CANDIDATES[role]:
             if args.only and tile.token not in args.only.split(","):
                 continue
@@ -113,6 +123,7 @@ def main():
                 print(f"  {tile.token:14s} failed: {type(e).__name__}: {str(e)[:150]}", flush=True)
         codegen.tile_for = original
         spec_mod.KernelSpec.min_ctas_per_sm = original_min_ctas
+        select.force_role = None
         codegen.forget_loaded_kernels()
         if args.groups:
             time_forced(form, t, ref, "force_heads_per_item", [int(g) for g in args.groups.split(",")])

@@ -147,11 +147,13 @@ def test_role_follows_lengths():
     assert select.tile_role(2048, 77, 32, 16) == "few_keys"             # seed: 77 keys fit one stage
     assert select.tile_role(4096, 77, 2, 10) == "few_keys"              # SDXL
     assert select.tile_role(17, 80, 2, 10) == "few_keys"                # the longest Lk one stage takes
-    assert select.tile_role(2048, 77, 32, 16, few_keys=False) == "long"  # the plan's stage mode
+    assert select.tile_role(2048, 77, 32, 16, stage=True) == "few_keys"  # the plan's stage: 128-row items fill
+    assert select.tile_role(1024, 77, 2, 20, stage=True) == "base"       # the GPU 4 times over (not SDXL 32x32)
+    assert select.tile_role(2048, 77, 32, 16, stage=True, few_keys=False) == "long"  # its kernel at 1 CTA per SM
     assert select.tile_role(448, 1500, 16, 20) == "many_keys"           # Whisper prefill
     assert select.tile_role(1792, 1500, 16, 20) == "many_keys"          # the same keys, 4x the query rows
     assert select.tile_role(2048, 2048, 32, 16) == "long"               # Lk 2048: whole 128-key stages
-    assert select.tile_role(448, 1500, 16, 20, few_keys=False) == "long"  # the plan's stage mode
+    assert select.tile_role(448, 1500, 16, 20, stage=True) == "long"  # the plan's stage: no many_keys
     assert select.tile_role(448, 1023, 16, 20) == "long"                # below MANY_KEYS
     assert select.tile_role(128, 512, 32, 16) == "long"                 # T5 decoder block: long keys
     assert select.tile_role(300, 81, 2, 8) == "base"                    # a few short items

@@ -212,7 +212,9 @@ def run_kernel(x, k, v, gamma, beta, mask, norm, eps, scale, sm_count, check_num
         device_sms = _sm_counts[device_index] = torch.cuda.get_device_properties(device_index).multi_processor_count
     sms = device_sms if sm_count is None else max(1, min(int(sm_count), device_sms))
     # the tile choice follows the device, never sm_count: results stay bit-identical whatever sm_count bounds
-    role = _select.tile_role(Lq, Lk, B, H, device_sms, few_keys=stage.qraw is None)
+    folded_q = stage.qraw is not None  # the stage's few_keys kernel, only where it runs 2 CTAs per SM
+    role = _select.tile_role(Lq, Lk, B, H, device_sms, stage=folded_q,
+                             few_keys=not folded_q or fam["few_keys"].ctas_per_sm >= 2)
     kernel = fam[role]
     if kernel.spec.tile.one_tile and Lk > kernel.spec.tile.block_n:  # the kernel would drop keys: never launch it
         raise RuntimeError(f"fusednorm: internal error: {kernel.spec.key} takes at most "

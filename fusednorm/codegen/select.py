@@ -13,30 +13,33 @@ force_role: str | None = None  # one of spec.TILE_ROLES, or None (automatic)
 
 
 def tile_role(q_len: int, kv_len: int, batch: int = 1, heads: int = 1, sm_count: int = 132,
-              few_keys: bool = True) -> str:
+              stage: bool = False, few_keys: bool = True) -> str:
     """Which tile configuration suits these lengths.
 
     "long" (128 query rows per CTA, two m-tiles per warp) reuses each K/V fragment twice and halves the per-row
     cost of every stage and barrier. It measured faster for long key lengths (tensor-core bound) and wherever its
     items still fill the GPU several times over (seed, SD 1.5: 10-25 %); with few items (SDXL 64x64:
     2 * 32 row blocks * 10 heads, Lk 77) the 64-row "base" tile wins by spreading the work wider.
-    Up to FEW_KEYS keys, "few_keys" (one stage per head, 8 warps of 16 rows) beat both on every such shape, but
-    not in the projection plan's stage mode (``few_keys=False``), whose extra registers leave it one CTA per SM.
+    Up to FEW_KEYS keys, "few_keys" (one stage per head, 8 warps of 16 rows) beat both on every such shape. In the
+    projection plan's attention stage (``stage``: folded Q in) it wins where it runs 2 CTAs per SM (``few_keys``:
+    the caller knows its occupancy) and its 128-row items fill the GPU 4 times over (plan, H100 12-05: SD 1.5 -13 %,
+    SDXL 64x64 -9.5 %, seed -5 %; SDXL 32x32, 2.4 times over, +5 %), and nowhere else.
     From MANY_KEYS keys on, "many_keys" (on sm_90 with d = 64: 112 keys per stage, 3 CTAs per SM) beat the long
     tile at Lk 1500 (Whisper prefill -6.5 %, and -1.5 % with 4x the query rows) but lost wherever Lk is a multiple
     of the long tile's 128 keys (Lk 512: +12 %, Lk 2048: +9 and +10 %; 2026-12-03): those keep the long tile.
-    Why 1500 favours the third CTA is not established; other lengths were not measured. The stage mode keeps the
-    long tile, whose registers the folded Q needs.
+    Why 1500 favours the third CTA is not established; other lengths were not measured. The stage keeps the long
+    tile there, whose registers the folded Q needs.
     """
     if force_role is not None:  # few_keys cannot take more keys than its one stage holds
         return "base" if force_role == "few_keys" and kv_len > FEW_KEYS else force_role
     if q_len <= 16:
         return "short"  # too few query rows to fill warps: split the keys between warps instead
-    if few_keys and kv_len <= FEW_KEYS:
+    items_128 = batch * _cdiv(q_len, 128) * heads
+    if few_keys and kv_len <= FEW_KEYS and (not stage or items_128 >= 4 * sm_count):
         return "few_keys"  # one stage per head: nothing carried between key tiles (seed -20 %, SD 1.5 -21 %)
-    if q_len >= 128 and (kv_len >= 256 or batch * _cdiv(q_len, 128) * heads >= 8 * sm_count):
+    if q_len >= 128 and (kv_len >= 256 or items_128 >= 8 * sm_count):
         # from MANY_KEYS keys on, unless the long tile's 128-key stages hold them exactly
-        return "many_keys" if few_keys and kv_len >= MANY_KEYS and kv_len % 128 != 0 else "long"
+        return "many_keys" if not stage and kv_len >= MANY_KEYS and kv_len % 128 != 0 else "long"
     return "base"
 
 

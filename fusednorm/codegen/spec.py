@@ -178,12 +178,14 @@ class KernelSpec:
     def min_ctas_per_sm(self) -> int:
         """__launch_bounds__ minimum: the memory-bound small-head base tile is worth the 3 CTAs per SM its shared
         memory allows (<= 168 registers), the few_keys tile with d <= 64 the 2 its shared memory allows (<= 128
-        registers; the plan's stage mode would spill there), the sm_90 long tile with d <= 64 likewise 2 and its
-        many_keys tile 3 (<= 168 registers); elsewhere the compiler may use what it needs."""
+        registers; in the plan's stage mode only without a mask: d = 40 with a bool mask would spill there), the
+        sm_90 long tile with d <= 64 likewise 2 and its many_keys tile 3 (<= 168 registers); elsewhere the compiler
+        may use what it needs."""
         t = self.tile
         if t.key_split == 1 and t.m_tiles == 1 and t.warps == 4 and t.block_n <= 64 and self.head_dim <= 64:
             return 3
-        if t.one_tile and t.warps == 8 and t.m_tiles == 1 and self.head_dim <= 64 and not self.q_from_qraw:
+        if (t.one_tile and t.warps == 8 and t.m_tiles == 1 and self.head_dim <= 64
+                and (not self.q_from_qraw or self.mask == "none")):
             return 2
         if t.wgmma and t.warps == 4 and t.block_n == 128 and self.head_dim <= 64:  # the plan's sm_90 long: 82 KB
             return 2
@@ -269,6 +271,10 @@ def supported_grid(archs=ARCHS):
                           # the projection plan's attention stage (folded Q in, o out), LayerNorm and RMS
                           KernelSpec(dtype, d, "layer", False, False, False, "add", True,
                                      tile_for("long", d, arch, stage=True), arch, True, q_from_qraw=True, write_o=True),
+                          # and its few_keys tile without a mask: the one stage kernel held to 2 CTAs per SM
+                          KernelSpec(dtype, d, "layer", False, False, False, "none", False,
+                                     tile_for("few_keys", d, arch, stage=True), arch, True, q_from_qraw=True,
+                                     write_o=True),
                           KernelSpec(dtype, d, "rms", False, False, False, "bool", False, tile_for("short", d, arch),
                                      arch, False, q_from_qraw=True, write_o=True),
                           KernelSpec(dtype, d, "layer", True, True, False, "none", False, base, arch, False,

@@ -64,4 +64,5 @@ def plan_test_specs(arch: int) -> list[KernelSpec]:
         specs += stage_family_specs(arch, dtype, 64, norm, mask, q_from_qraw, write_o)
     for d in (40, 80, 128, 160):
         specs += stage_family_specs(arch, "bf16", d, "layer", "bool", True, True)
+    specs += stage_family_specs(arch, "bf16", 40, "layer", "none", True, True)  # the stage's few_keys tile
     return list({s.key: s for s in specs}.values())

@@ -94,6 +94,23 @@ def test_head_dims_and_lengths(d, H, Lq, Lk):
     check(make(torch.bfloat16, "full", "layer", "bool", H=H, d=d, Lq=Lq, Lk=Lk), "layer")
 
 
+@pytest.mark.parametrize("d,H,B,Lq,mask", [(40, 16, 4, 1100, "none"), (64, 8, 8, 1030, "none"),
+                                          (40, 16, 4, 1100, "bool"), (64, 8, 8, 1030, "add")])
+def test_stage_takes_the_few_keys_tile_where_its_items_fill_the_gpu(d, H, B, Lq, mask):
+    """Up to 80 keys, with 128-row items filling the GPU 4 times over (on 132 SMs: B * ceil(Lq / 128) * H >= 528),
+    the stage runs the few_keys tile when that kernel holds 2 CTAs per SM (with a mask, whichever tile runs is
+    checked the same way)."""
+    from fusednorm.codegen import select
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    gen = torch.Generator(device=DEV).manual_seed(int(d * Lq))
+    t = make(torch.bfloat16, "full", "layer", mask, B=B, Lq=Lq, H=H, d=d, gen=gen)
+    check(t, "layer")
+    if mask == "none" and B * -(-Lq // 128) * H >= 4 * sms:
+        assert select.tile_role(Lq, 77, B, H, sms, stage=True) == "few_keys"
+        assert "_qf_wo_t128x80w8one" in launch.last_launched, launch.last_launched
+
+
 @pytest.mark.parametrize("norm", ["layer", "rms"])
 def test_large_mean_against_spread(norm):
     """|mean| >> std: folding the norm into Wq subtracts two large numbers; float32 qraw keeps it within 2x eager."""
