@@ -51,7 +51,9 @@ CANDIDATES = {  # role -> candidate tiles, each with the __launch_bounds__ minim
                  (T(8, 1, 80, 1, 2, True), 3),  # 24 warps per SM where 3 CTAs' shared memory fits (d <= 40)
                  (T(8, 1, 80, 1, 2, True, **WGT), 2), (T(8, 1, 80, 1, 3, True, **WGT), 2),
                  (T(4, 1, 80, 1, 2, True, **WGT), 3), (T(4, 1, 80, 1, 3, True, **WGT), 2),
-                 (T(16, 1, 80, 1, 2, True, **WGT), 1)],
+                 (T(16, 1, 80, 1, 2, True, **WGT), 1),
+                 # sm_90, d = 40: stages of unpadded rows filled by bulk copies, mma.sync (spec.dense_rows_fit)
+                 (T(8, 1, 80, 1, 2, True, tma=True), 2), (T(8, 1, 80, 1, 3, True, tma=True), 2)],
     "short": [(T(4, 1, 16, 4, 4), 1), (T(4, 1, 32, 4, 4), 1), (T(4, 1, 16, 4, 6), 1), (T(8, 1, 16, 8, 4), 1),
               (T(4, 1, 32, 4, 3), 1), (T(8, 1, 16, 8, 3), 1),
               # swizzled stages, merged in a stage (no buffer of its own): 77 KB at 4 x 64 keys, 108 KB at 3 x 128
@@ -107,6 +109,8 @@ def main():
             if d > 128 and tile.m_tiles * tile.block_n > 64 or tile.one_tile and Lk > tile.block_n:
                 continue
             if tile.wgmma and (arch != 90 or d not in spec_mod.WGMMA_HEAD_DIMS):
+                continue
+            if tile.tma and not tile.wgmma and (arch != 90 or not spec_mod.dense_rows_fit(d)):
                 continue
             spec_mod.KernelSpec.min_ctas_per_sm = property(lambda s, _t=tile, _m=min_ctas: _m if s.tile == _t
                                                            else original_min_ctas.fget(s))

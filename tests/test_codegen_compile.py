@@ -261,11 +261,40 @@ def test_sm90_wgmma_stages_come_by_bulk_tensor_copies():
             stage = KernelSpec("bf16", d, "layer", False, False, False, "none", False, tile, 90, False,
                                q_from_qraw=True, write_o=True)
             assert stage.tile.tma and stage.key.endswith("wgtma_sm90")
-    assert all(tile_for(r, d, a).tma == tile_for(r, d, a).wgmma for r in TILE_ROLES for d in HEAD_DIMS
-               for a in (80, 90))
+    # and the mma.sync few-key tile of d = 40 (unpadded rows, see the next test); nothing else, and nothing on sm_80
+    assert all(tile_for(r, d, a).tma == (tile_for(r, d, a).wgmma or (r, d, a) == ("few_keys", 40, 90))
+               for r in TILE_ROLES for d in HEAD_DIMS for a in (80, 90))
     with pytest.raises(ValueError, match="bulk tensor copies"):
         KernelSpec("bf16", 64, "layer", True, True, False, "none", False, replace(tile_for("base", 64, 80), tma=True),
                    80, False)
+    for d, arch in ((40, 80), (80, 90), (32, 90)):  # d = 40 on sm_80; 10 or 4 chunks a row: banks would clash
+        with pytest.raises(ValueError, match="bulk tensor copies"):
+            KernelSpec("bf16", d, "layer", True, True, False, "none", False,
+                       replace(tile_for("few_keys", d, arch), tma=True), arch, False)
+
+
+def test_d40_few_key_stages_are_unpadded_bulk_copies_on_sm90():
+    """d = 40 rows are 5 chunks of 16 bytes: unpadded, 8 consecutive rows still fall on distinct banks, so on sm_90
+    the few-key tile's stages, x slots and y stores are bulk tensor copies of whole 80-byte rows (the head's K, V
+    and x slice one box each). QK^T's last k-step is m16n8k8 (columns 32..39) on every d = 40 kernel, so no pad
+    column is read, none is zeroed, and the padded kernels (sm_80, the other roles) keep working without it."""
+    from dataclasses import replace
+
+    tile = tile_for("few_keys", 40, 90)
+    assert tile.tma and not tile.wgmma and tile.token == "t128x80w8onetma"
+    spec = KernelSpec("bf16", 40, "layer", True, True, False, "none", False, tile, 90, False)
+    src = render(spec)
+    assert "constexpr bool USE_TMA = true;" in src and "constexpr bool USE_WGMMA = false;" in src
+    assert "m16n8k8" in src and "cp.async.bulk.tensor.4d" in src
+    padded = spec.with_tile(replace(tile, tma=False))
+    # K/V rows and x rows lose the pad to 48 columns and the 8 more of the bank stagger: 80 bytes instead of 112
+    kv = 2 * tile.stages * tile.kv_rows * 32
+    x = tile.stages * tile.block_m * 32
+    assert padded.smem_bytes() - spec.smem_bytes() == kv + x - tile.stages * 8
+    for mask in ("none", "bool"):
+        stage = KernelSpec("bf16", 40, "layer", False, False, False, mask, False, tile_for("few_keys", 40, 90, True),
+                           90, False, q_from_qraw=True, write_o=True)
+        assert stage.tile.tma and stage.key.endswith("onetma_sm90")
 
 
 def test_tensor_map_describes_only_aligned_16_byte_strides():

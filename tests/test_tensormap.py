@@ -95,6 +95,22 @@ def test_the_four_maps_of_a_call(fake_encoder):
     assert codegen._tma_maps(tile, x, k2, v, y) != maps and len(fake_encoder) == 5
 
 
+def test_d40_maps_move_whole_unswizzled_head_rows(fake_encoder):
+    """The d = 40 few-key tile (mma.sync, unpadded rows): boxes of the head's 40 columns, no swizzle."""
+    from fusednorm.codegen.spec import tile_for
+
+    tile = tile_for("few_keys", 40, 90)
+    x = torch.empty(2, 130, 320, dtype=torch.bfloat16)
+    k = torch.empty(2, 77, 8, 40, dtype=torch.bfloat16).transpose(1, 2)
+    v = torch.empty(2, 77, 8, 40, dtype=torch.bfloat16).transpose(1, 2)
+    y = torch.empty_like(x)
+    codegen._tma_maps(tile, x, k, v, y)
+    x_call, k_call, v_call, y_call = fake_encoder
+    assert (x_call["box"], k_call["box"], y_call["box"]) == ([40, 128, 1], [40, 80, 1, 1], [40, 16, 1])
+    assert k_call["strides"] == [2 * 320, 2 * 40, 2 * 77 * 320]  # keys 640 bytes apart, heads 80
+    assert {c["swizzle"] for c in fake_encoder} == {0}
+
+
 def test_a_cached_call_finds_its_maps_by_pointers_and_encodes_only_what_moved(fake_encoder, monkeypatch):
     """launch_call keeps the maps on the call (its key fixes shapes, strides and tile): the same tensors again
     encode nothing, a k elsewhere encodes k's map alone, and every launch gets the maps of its own pointers."""

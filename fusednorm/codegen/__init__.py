@@ -355,17 +355,20 @@ _MAPS_PER_CALL = 64  # pointer sets kept per cached call (a model's activations 
 
 
 def _tma_maps(tile, x: torch.Tensor, k: torch.Tensor, v: torch.Tensor, y: torch.Tensor) -> bytes:
-    """TmaMaps for a tile whose stages are bulk copies: x (contiguous) as [B, Lq, D] in boxes of 64 columns by the
-    tile's rows, k and v as strided [B, H, Lk, d] in boxes of 64 columns by a stage's keys, y (contiguous, D or the
-    stage's o columns) in boxes of 64 columns by a warp's rows (dims innermost first). Each map stays in
-    tensormap's own cache, so a call whose pointers are new encodes only the maps whose tensor moved."""
+    """TmaMaps for a tile whose stages are bulk copies: x (contiguous) as [B, Lq, D] in boxes of w columns by the
+    tile's rows, k and v as strided [B, H, Lk, d] in boxes of w columns by a stage's keys, y (contiguous, D or the
+    stage's o columns) in boxes of w columns by a warp's rows (dims innermost first); w = 64 swizzled for the
+    wgmma tiles, else the head dim unpadded (templates/pnca.cu: DENSE_ROWS). Each map stays in tensormap's own
+    cache, so a call whose pointers are new encodes only the maps whose tensor moved."""
     B, Lq, D = x.shape
     cols = y.shape[2]
-    kv_box = (64, tile.kv_rows, 1, 1)
-    maps = (_tensormap.tile_map(x.data_ptr(), (D, Lq, B), (1, D, Lq * D), (64, tile.block_m, 1))
-            + _tensormap.tile_map(k.data_ptr(), *_kv_map_dims(k), kv_box)
-            + _tensormap.tile_map(v.data_ptr(), *_kv_map_dims(v), kv_box)
-            + _tensormap.tile_map(y.data_ptr(), (cols, Lq, B), (1, cols, Lq * cols), (64, tile.rows_per_warp, 1)))
+    w, swizzle = (64, True) if tile.wgmma else (k.shape[3], False)
+    kv_box = (w, tile.kv_rows, 1, 1)
+    maps = (_tensormap.tile_map(x.data_ptr(), (D, Lq, B), (1, D, Lq * D), (w, tile.block_m, 1), swizzle)
+            + _tensormap.tile_map(k.data_ptr(), *_kv_map_dims(k), kv_box, swizzle)
+            + _tensormap.tile_map(v.data_ptr(), *_kv_map_dims(v), kv_box, swizzle)
+            + _tensormap.tile_map(y.data_ptr(), (cols, Lq, B), (1, cols, Lq * cols), (w, tile.rows_per_warp, 1),
+                                  swizzle))
     return maps
 
 

@@ -33,7 +33,7 @@ class TileConfig:
     stages: int      # pipeline depth (cp.async groups, or with tma mbarrier-tracked bulk copies)
     one_tile: bool = False  # a head's keys all in one stage (chosen only when Lk <= block_n): nothing carried
     wgmma: bool = False     # sm_90: QK^T and P V as warpgroup mma, B straight from shared memory (see WGMMA_HEAD_DIMS)
-    tma: bool = False       # sm_90 wgmma only: stages filled by bulk tensor copies on an mbarrier
+    tma: bool = False       # sm_90: stages filled by bulk tensor copies on an mbarrier (wgmma tiles, or dense_rows)
 
     @property
     def threads(self) -> int:
@@ -69,6 +69,12 @@ class TileConfig:
         if self.tma:
             t += "tma"
         return t
+
+
+def dense_rows_fit(head_dim: int) -> bool:
+    """Rows of an odd number of 16-byte chunks (d = 40: 5): unpadded, any 8 consecutive rows of a stage still lie
+    on distinct shared-memory banks for ldmatrix, so bulk tensor copies can fill the mma.sync tiles' stages."""
+    return head_dim % 16 == 8
 
 
 WGMMA_HEAD_DIMS = (64, 128)  # K/V rows of whole 128-byte swizzle blocks: what the warpgroup mma reads as laid out
@@ -119,7 +125,9 @@ def tile_for(role: str, head_dim: int, arch: int = 80, stage: bool = False) -> T
     if role == "few_keys":  # one stage per head; 8 warps of 16 rows (more warps per SM beat K/V reuse: 18-21 %)
         if head_dim > 128:
             return tile_for("base", head_dim)
-        return TileConfig(warps=8, m_tiles=1, block_n=FEW_KEYS, key_split=1, stages=2, one_tile=True)
+        # sm_90, d = 40: stages filled by bulk copies of unpadded rows (see KernelSpec.dense_rows)
+        tma = arch == 90 and dense_rows_fit(head_dim)
+        return TileConfig(warps=8, m_tiles=1, block_n=FEW_KEYS, key_split=1, stages=2, one_tile=True, tma=tma)
     raise ValueError(f"fusednorm: unknown tile role {role!r}; expected one of {TILE_ROLES}")
 
 
@@ -155,9 +163,11 @@ class KernelSpec:
                             and t.key_split == 1 and t.warps % 4 == 0 and t.block_n <= 256):
             raise ValueError(f"fusednorm: tile {t.token} uses the warpgroup mma, which needs sm_90, head dim in "
                              f"{WGMMA_HEAD_DIMS}, one m-tile per warp, whole warpgroups and no key split")
-        if t.tma and not t.wgmma:
+        if t.tma and not (t.wgmma or (self.arch == 90 and dense_rows_fit(self.head_dim) and t.key_split == 1
+                                      and not self.q_in_smem)):
             raise ValueError(f"fusednorm: tile {t.token} fills its stages by bulk tensor copies, which only the "
-                             f"warpgroup-mma kernels do")
+                             f"warpgroup-mma kernels and, on sm_90, head dims of an odd number of 16-byte chunks "
+                             f"(d = 40) without a key split do")
         # canonical forms, so that equal code means an equal key
         if self.q_from_qraw and (self.has_gamma or self.has_beta):  # folded into Wq': the kernel never reads them
             object.__setattr__(self, "has_gamma", False)
@@ -239,9 +249,10 @@ class KernelSpec:
         t = self.tile
         pad = (self.head_dim + 15) // 16 * 16
         row_stride = pad + 8
-        kv = 2 * t.stages * t.kv_rows * (self.head_dim if self.kv_swizzled else row_stride) * 2  # swizzled: unpadded
+        unpadded = self.kv_swizzled or t.tma
+        kv = 2 * t.stages * t.kv_rows * (self.head_dim if unpadded else row_stride) * 2
         q = t.warps * t.rows_per_warp * row_stride * 2 if self.q_in_smem else 0
-        x_slots = t.stages * t.block_m * (self.head_dim if t.tma else row_stride) * 2  # tma: swizzled, unpadded
+        x_slots = t.stages * t.block_m * (self.head_dim if t.tma else row_stride) * 2  # tma: unpadded
         # per-row mean and rstd; with a key split also the warps' partial sums and their merged m and l
         stats = t.warps * t.rows_per_warp * 2 * 4 + (2 * t.warps * 16 * 2 * 4 if t.key_split > 1 else 0)
         wide = self.q_from_qraw or self.affine_f32

@@ -2,7 +2,8 @@
 
 A tensor map (CUtensorMap, 128 opaque bytes) tells the copy engine where a strided tensor lies and which box one
 copy moves: here boxes of 64 columns (128 bytes, the widest the 128-byte swizzle takes) by the tile's rows, landing
-in shared memory in the swizzled layout the warpgroup mma reads. Maps are encoded on the host by libcuda's
+in shared memory in the swizzled layout the warpgroup mma reads, or (``swizzle=False``, the mma.sync tiles of
+d = 40) boxes of a whole head row landing unpadded, row after row. Maps are encoded on the host by libcuda's
 ``cuTensorMapEncodeTiled`` (called through ctypes: the cuda-python binding costs tens of µs a call) and kept per
 (pointer, sizes, strides, box), so a call whose tensors sit where the last one's did encodes nothing.
 """
@@ -11,7 +12,7 @@ from __future__ import annotations
 import ctypes
 
 MAP_BYTES = 128
-_SWIZZLE_128B = 3
+_SWIZZLE_NONE, _SWIZZLE_128B = 0, 3
 _L2_PROMOTION_128B = 2
 _UINT16 = 1  # bf16 and fp16 move as 16-bit words; rows past the tensor arrive as zero bits (+0.0 in both)
 
@@ -47,10 +48,11 @@ def describable(pointer: int, sizes: tuple, strides: tuple) -> bool:
     return all(n == 1 or (s > 0 and (2 * s) % 16 == 0 and 2 * s < 1 << 40) for n, s in zip(sizes[1:], strides[1:]))
 
 
-def tile_map(pointer: int, sizes: tuple, strides: tuple, box: tuple) -> bytes:
+def tile_map(pointer: int, sizes: tuple, strides: tuple, box: tuple, swizzle: bool = True) -> bytes:
     """The 128 bytes of a tensor map over 16-bit elements: ``sizes`` and ``strides`` (in elements) innermost
-    first, ``box`` the elements one copy moves along each dim. Raises TensorMapError where libcuda refuses."""
-    key = (pointer, sizes, strides, box)
+    first, ``box`` the elements one copy moves along each dim, landing in the 128-byte swizzle (``swizzle``) or
+    unpadded. Raises TensorMapError where libcuda refuses."""
+    key = (pointer, sizes, strides, box, swizzle)
     hit = _maps.get(key)
     if hit is not None:
         return hit
@@ -67,10 +69,10 @@ def tile_map(pointer: int, sizes: tuple, strides: tuple, box: tuple) -> bytes:
         ctypes.c_void_p(at), _UINT16, rank, ctypes.c_void_p(pointer),
         (ctypes.c_uint64 * rank)(*sizes), (ctypes.c_uint64 * max(rank - 1, 1))(*outer),
         (ctypes.c_uint32 * rank)(*box), (ctypes.c_uint32 * rank)(*([1] * rank)),
-        0, _SWIZZLE_128B, _L2_PROMOTION_128B, 0)
+        0, _SWIZZLE_128B if swizzle else _SWIZZLE_NONE, _L2_PROMOTION_128B, 0)
     if err != 0:
         raise TensorMapError(f"fusednorm: cuTensorMapEncodeTiled failed (CUresult {err}) for sizes {sizes}, "
-                             f"strides {strides}, box {box}")
+                             f"strides {strides}, box {box}, swizzle {swizzle}")
     data = ctypes.string_at(at, MAP_BYTES)
     if len(_maps) >= _MAPS_MAX:
         _maps.clear()

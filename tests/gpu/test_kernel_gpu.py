@@ -166,7 +166,8 @@ def test_each_tile_role_on_every_head_dim(role, monkeypatch, tile_set):
             assert launch.last_launched.endswith(("wg_sm90", "wgtma_sm90")) == wgmma, launch.last_launched
     if role == "few_keys":  # every key count up to the stage, including a full one (no edge n-tile)
         for Lk in (1, 15, 16, 17, 64, 79, 80):
-            check_case(torch.float16, 3, 130, Lk, 3, 64, "rms", "bool", gen)
+            for d in (64, 40):  # d = 40: QK^T's last k-step of 8 columns (and on sm_90 unpadded bulk-copied rows)
+                check_case(torch.float16, 3, 130, Lk, 3, d, "rms", "bool", gen)
 
 
 def test_model_shapes_and_custom_scale():
@@ -356,12 +357,13 @@ def test_operand_layouts(role, d, monkeypatch, tile_set):
         assert err <= 2 * err_eager.item() + 1e-3, f"{what}: max error {err:.3e}, eager {err_eager:.3e}"
 
 
-@pytest.mark.skipif(_arch() != 90, reason="bulk tensor copies fill the sm_90 warpgroup-mma stages only")
+@pytest.mark.skipif(_arch() != 90, reason="bulk tensor copies fill sm_90 stages only")
 @pytest.mark.parametrize("role", ["few_keys", "long", "many_keys", "base"])
 def test_bulk_copy_stages_match_the_16_byte_copies_bit_for_bit(role, monkeypatch):
-    """The TMA-filled stages of the sm_90 wgmma tiles give exactly what their 16-byte-copy twins give (same math in
-    the same order): odd lengths, several batches (rows and keys past the ends must arrive as zeros, not as the
-    next batch's or head's), k/v as transposed views, each mask kind, both head dims the tiles take."""
+    """The TMA-filled stages of the sm_90 wgmma tiles, and of d = 40's few-key tile (unpadded rows, mma.sync), give
+    exactly what their 16-byte-copy twins give (same math in the same order): odd lengths, several batches (rows
+    and keys past the ends must arrive as zeros, not as the next batch's or head's), k/v as transposed views, each
+    mask kind, the head dims the tiles take."""
     from dataclasses import replace
 
     monkeypatch.setattr(select, "force_role", role)
@@ -370,14 +372,15 @@ def test_bulk_copy_stages_match_the_16_byte_copies_bit_for_bit(role, monkeypatch
     lengths = ((3, 129, 77), (2, 1, 1), (2, 300, 80), (1, 127, 33))
     if role != "few_keys":  # several key tiles per head, the last one partial
         lengths += ((2, 70, 300), (1, 200, 1500))
-    for d, mask in ((64, "none"), (64, "add"), (128, "bool")):
+    dims = ((64, "none"), (64, "add"), (128, "bool")) + (((40, "none"), (40, "bool")) if role == "few_keys" else ())
+    for d, mask in dims:
         cases = [make_inputs(torch.bfloat16, B, Lq, Lk, 4, d, "layer_affine", mask, gen) for B, Lq, Lk in lengths]
         outs = {}
         for name, tiles in (("tma", tile_for), ("copies", copies)):
             monkeypatch.setattr(codegen, "tile_for", tiles)
             codegen.forget_loaded_kernels()
             outs[name] = [fused(*c, "layer") for c in cases]
-            assert launch.last_launched.endswith("wgtma_sm90") == (name == "tma"), launch.last_launched
+            assert launch.last_launched.endswith("tma_sm90") == (name == "tma"), launch.last_launched
         for c, a, b in zip(cases, outs["tma"], outs["copies"]):
             assert torch.isfinite(a).all()
             assert torch.equal(a, b), f"d {d}, mask {mask}, x {tuple(c[0].shape)}, Lk {c[1].shape[2]}"

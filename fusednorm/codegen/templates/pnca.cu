@@ -21,10 +21,15 @@
 // holds K and V in the 128-byte-swizzle layout wgmma reads instead of padded rows. No K/V fragments pass through
 // registers; the row sums of P come from P times a block of ones: 8 more columns of the P V wgmma (ROWSUM_IN_PV,
 // d = 64), or a third, narrow wgmma.
-// With USE_TMA (the sm_90 wgmma tiles) one thread fills a stage with bulk tensor copies (K and V, and on a head's
-// first stage its x slice when needed, through the tensor maps in TmaMaps) that complete on the stage's
-// mbarrier, instead of every thread issuing 16-byte copies: the x slice then lies in the same 128-byte-swizzle
-// layout as K and V (see x_elem_offset); and each warp's y rows, staged there, leave by one bulk tensor store.
+// With USE_TMA (the sm_90 wgmma tiles, and d = 40's few-key tile: see DENSE_ROWS) one thread fills a stage with
+// bulk tensor copies (K and V, and on a head's first stage its x slice when needed, through the tensor maps in
+// TmaMaps) that complete on the stage's mbarrier, instead of every thread issuing 16-byte copies: the x slice then
+// lies in the same layout as K and V (see x_elem_offset); and each warp's y rows, staged there, leave by one bulk
+// tensor store.
+// USE_TMA without USE_WGMMA (DENSE_ROWS: sm_90, head dims of an odd number of 16-byte chunks, i.e. d = 40) fills
+// the mma.sync tiles the same way: the copies write rows back to back (80 bytes at d = 40), which an ldmatrix reads
+// without bank conflicts because 5 chunks per row put any 8 consecutive rows on distinct banks. With d = 40 the last
+// k-step of QK^T is m16n8k8 (columns 32..39): no pad column is ever read, so none is stored or zeroed.
 // Each warp owns 16 * M_TILES query rows. With KEY_SPLIT > 1 (few query rows, e.g. decode) the warps share the
 // same 16 rows and split each K/V stage between them; their partial softmax states are merged in a fixed order.
 // When (batch, head) pairs are too few to fill the GPU (decode at small batch), the key tiles of each pair are
@@ -70,9 +75,11 @@ struct TmaMaps {
 static_assert(sizeof(TmaMaps) == 512, "TmaMaps must match fusednorm/codegen/launch.py");
 
 constexpr int THREADS = WARPS * 32;
-constexpr int HEAD_DIM_PAD = (HEAD_DIM + 15) / 16 * 16;  // QK^T runs in k-steps of 16; d = 40 pads with zeros
+constexpr int HEAD_DIM_PAD = (HEAD_DIM + 15) / 16 * 16;  // QK^T runs in k-steps of 16, d = 40's last one of 8
 constexpr int ROW_STRIDE = HEAD_DIM_PAD + 8;             // +16 bytes: the 8 rows of an ldmatrix hit distinct banks
 constexpr int CHUNKS = HEAD_DIM / 8;                     // 16-byte chunks per head row
+constexpr bool LAST_KSTEP_K8 = HEAD_DIM % 16 != 0;       // QK^T's last k-step covers 8 columns (m16n8k8)
+constexpr bool DENSE_ROWS = USE_TMA && !USE_WGMMA;       // K/V stages and x slots: unpadded rows, as bulk-copied
 constexpr bool NEEDS_X_SLICE = !Q_FROM_QRAW || !WRITE_O;  // for the norm of Q, or for the residual
 constexpr int ROWS_PER_WARP = 16 * M_TILES;
 constexpr int BLOCK_M = KEY_SPLIT > 1 ? ROWS_PER_WARP : WARPS * ROWS_PER_WARP;
@@ -91,7 +98,8 @@ static_assert(!ONE_TILE || KEY_SPLIT == 1, "one tile per head: every warp sees a
 static_assert(BLOCK_N % 16 == 0 && HEAD_DIM % 8 == 0, "tile shape");
 static_assert(!USE_WGMMA || (M_TILES == 1 && KEY_SPLIT == 1 && WARPS % 4 == 0 && HEAD_DIM % 64 == 0 && !Q_IN_SMEM),
               "wgmma: warps in whole warpgroups, one m-tile each, rows of whole 128-byte swizzle blocks");
-static_assert(!USE_TMA || USE_WGMMA, "bulk tensor copies: the wgmma tiles, whose stages hold the swizzled layout");
+static_assert(!DENSE_ROWS || (CHUNKS % 2 == 1 && KEY_SPLIT == 1 && !Q_IN_SMEM),
+              "unpadded rows: an odd number of 16-byte chunks per row keeps an ldmatrix's 8 rows on distinct banks");
 
 // Shared memory, in bytes: K stages, V stages, (USE_WGMMA only) the ones of the row sums, (Q_IN_SMEM only) one Q
 // tile per warp, STAGES x-slice slots (a head's x slice lives from its first stage to its epilogue, which also
@@ -103,16 +111,20 @@ constexpr bool AFFINE_WIDE = Q_FROM_QRAW || AFFINE_IS_F32;  // fp32 parameters, 
 constexpr bool HAS_SCALE_VEC = Q_FROM_QRAW ? !NORM_IS_RMS : HAS_GAMMA;  // gamma, or u
 constexpr bool HAS_SHIFT_VEC = Q_FROM_QRAW || HAS_BETA;                 // beta, or b'
 constexpr int AFFINE_SLOT_BYTES = (HAS_SCALE_VEC || HAS_SHIFT_VEC) ? 2 * HEAD_DIM * (AFFINE_WIDE ? 4 : 2) : 0;
-// K/V rows: padded (ROW_STRIDE) for ldmatrix, or with KV_SWIZZLED (every USE_WGMMA tile, and the key-split tiles
-// of d = 64 and 128: spec.kv_swizzled) 64-element column blocks of KV_ROWS rows of 128 bytes each, 16-byte chunk c
-// of row r at chunk c ^ (r % 8) (with USE_WGMMA each stage starts on a 1024-byte boundary).
-constexpr int KV_ROW_ELEMS = KV_SWIZZLED ? 64 : ROW_STRIDE;  // from one row of a stage (or column block) to the next
-constexpr int KV_TILE_ELEMS = KV_ROWS * (KV_SWIZZLED ? HEAD_DIM : ROW_STRIDE);
+// K/V rows: padded (ROW_STRIDE) for ldmatrix, unpadded (DENSE_ROWS), or with KV_SWIZZLED (every USE_WGMMA tile,
+// and the key-split tiles of d = 64 and 128: spec.kv_swizzled) 64-element column blocks of KV_ROWS rows of 128
+// bytes each, 16-byte chunk c of row r at chunk c ^ (r % 8) (with USE_WGMMA each stage starts on a 1024-byte
+// boundary).
+constexpr int KV_ROW_ELEMS = KV_SWIZZLED ? 64 : DENSE_ROWS ? HEAD_DIM : ROW_STRIDE;  // one row (of a column block)
+constexpr int KV_TILE_ELEMS = KV_ROWS * (KV_SWIZZLED || DENSE_ROWS ? HEAD_DIM : ROW_STRIDE);
 constexpr int KV_ROW_BYTES = KV_ROW_ELEMS * 2;
 static_assert(!USE_WGMMA || KV_SWIZZLED, "wgmma reads the swizzled layout");
 static_assert(!KV_SWIZZLED || HEAD_DIM % 64 == 0, "swizzled rows are whole 64-column blocks");
 constexpr int Q_TILE_ELEMS = ROWS_PER_WARP * ROW_STRIDE;
-constexpr int X_ROW_ELEMS = USE_TMA ? 64 : ROW_STRIDE;  // from one row of an x slot to the next (see x_elem_offset)
+constexpr int X_ROW_ELEMS = DENSE_ROWS ? HEAD_DIM : USE_TMA ? 64 : ROW_STRIDE;  // one row of an x slot to the next
+// USE_TMA: a bulk copy moves TMA_BOX_COLS columns (a 128-byte swizzle block, or a whole unpadded row)
+constexpr int TMA_BOX_COLS = DENSE_ROWS ? HEAD_DIM : 64;
+constexpr int TMA_BOXES = HEAD_DIM / TMA_BOX_COLS;
 constexpr int X_TILE_ELEMS = BLOCK_M * (USE_TMA ? HEAD_DIM : ROW_STRIDE);
 constexpr int OFF_K = 0;
 constexpr int OFF_V = OFF_K + STAGES * KV_TILE_ELEMS * 2;
@@ -132,8 +144,11 @@ static_assert(OFF_BARS + (USE_TMA ? STAGES * 8 : 0) <= SMEM_BYTES, "launch.py's 
 constexpr int COMBINE_K_WARPS = (WARPS + 1) / 2;
 static_assert(KEY_SPLIT == 1 || COMBINE_K_WARPS * 16 * HEAD_DIM * 4 <= KV_TILE_ELEMS * 2,
               "the key split's merge fits one K tile and one V tile");
-static_assert(!USE_TMA || (OFF_X % 1024 == 0 && X_TILE_ELEMS * 2 % 1024 == 0 && OFF_BARS % 8 == 0),
-              "swizzled x slots start on 1024-byte boundaries");
+constexpr int TMA_ALIGN = DENSE_ROWS ? 128 : 1024;  // bulk copies' shared addresses (swizzled: the pattern's period)
+static_assert(!USE_TMA || (OFF_X % TMA_ALIGN == 0 && X_TILE_ELEMS * 2 % TMA_ALIGN == 0 && OFF_BARS % 8 == 0 &&
+                           KV_TILE_ELEMS * 2 % TMA_ALIGN == 0 && OFF_V % TMA_ALIGN == 0 &&
+                           ROWS_PER_WARP * X_ROW_ELEMS * 2 % (DENSE_ROWS ? 128 : 1) == 0),
+              "bulk copies start on aligned shared addresses (swizzled slots: 1024-byte boundaries)");
 
 extern __shared__ __align__(1024) u8 smem[];  // carved up as above; named here so that helpers address it directly
 
@@ -169,20 +184,21 @@ FN_INLINE float mask_term(const u8* row, int key) {
   }
 }
 
-// Element offset of 16-byte chunk c of row r in an x slot, from the warp's first row (a multiple of 8): padded rows,
-// or with USE_TMA 64-element column blocks of BLOCK_M rows of 128 bytes, chunk c of row r at chunk c ^ (r % 8).
+// Element offset of 16-byte chunk c of row r in an x slot, from the warp's first row (a multiple of 8): padded or
+// (DENSE_ROWS) unpadded rows, or with the wgmma tiles' USE_TMA 64-element column blocks of BLOCK_M rows of 128
+// bytes, chunk c of row r at chunk c ^ (r % 8).
 FN_INLINE int x_elem_offset(int r, int c) {
-  if constexpr (USE_TMA) return (c >> 3) * (BLOCK_M * 64) + r * 64 + (((c & 7) ^ (r & 7)) << 3);
-  return r * ROW_STRIDE + c * 8;
+  if constexpr (USE_TMA && !DENSE_ROWS) return (c >> 3) * (BLOCK_M * 64) + r * 64 + (((c & 7) ^ (r & 7)) << 3);
+  return r * X_ROW_ELEMS + c * 8;
 }
 
 // The same layout as a byte address: the pair (row r, columns nt * 8 + t2 + {0, 1}) of an x slot that starts at
 // tile (a shared address). The swizzle becomes one XOR per access: the slot starts on a 1024-byte boundary, so
 // bits 4-6 of every row's start are free for the 16-byte chunk index, which the swizzle XORs with r % 8.
 FN_INLINE u32 x_pair_addr(u32 tile, int r, int nt, int t2) {
-  if constexpr (USE_TMA)
+  if constexpr (USE_TMA && !DENSE_ROWS)
     return (tile + (nt >> 3) * (BLOCK_M * 128) + r * 128 + ((r & 7) << 4) + t2 * 2) ^ ((nt & 7) << 4);
-  return tile + (r * ROW_STRIDE + nt * 8 + t2) * 2;
+  return tile + (r * X_ROW_ELEMS + nt * 8 + t2) * 2;
 }
 
 // ---- 1. row statistics (one warp, its own rows) ----
@@ -427,9 +443,18 @@ FN_INLINE void q_kstep(const Params& p, const QSource& src, int kk, u32 (&a)[M_T
   }
 #pragma unroll
   for (int mt = 0; mt < M_TILES; ++mt) {
-    u32 xa[4];
-    if constexpr (!Q_FROM_QRAW)
-      ldmatrix_x4(xa, smem_addr(src.x_tile + x_elem_offset(mt * 16 + (lane & 15), kk * 2 + (lane >> 4))));
+    u32 xa[4] = {0u, 0u, 0u, 0u};
+    if constexpr (!Q_FROM_QRAW) {
+      // rows lane & 15, lanes 16-31 the next 8 columns; unswizzled, the m-tile's and k-step's offset is an immediate
+      const u32 addr = USE_TMA && !DENSE_ROWS
+                           ? smem_addr(src.x_tile + x_elem_offset(mt * 16 + (lane & 15), kk * 2 + (lane >> 4)))
+                           : smem_addr(src.x_tile) + ((lane & 15) * X_ROW_ELEMS + (lane >> 4) * 8) * 2 +
+                                 (mt * 16 * X_ROW_ELEMS + kk * 16) * 2;
+      if (LAST_KSTEP_K8 && kk == QK_KSTEPS - 1)  // 8 columns (lanes 0-15 give the addresses): the rest is pad
+        ldmatrix_x2(xa[0], xa[1], addr);
+      else
+        ldmatrix_x4(xa, addr);
+    }
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const int i = e & 1, h = e >> 1;
@@ -521,13 +546,14 @@ FN_INLINE void load_kv_tile(const Params& p, int b, int head, int key_base, u16*
 }
 
 // The head's norm parameters into its slot: [gamma | beta] (or [u | b'] with Q_FROM_QRAW), d values each, as
-// stored (fp32, or x's type). Slices start at head * d, a multiple of 16 bytes (d is a multiple of 8).
-FN_INLINE void load_affine_slot(const Params& p, int head, u8* slot, int tid) {
+// stored (fp32, or x's type). Slices start at head * d, a multiple of 16 bytes (d is a multiple of 8). copier: the
+// thread's place among the CTA's threads in copying (0 copies the first chunk).
+FN_INLINE void load_affine_slot(const Params& p, int head, u8* slot, int copier) {
   if constexpr (AFFINE_SLOT_BYTES == 0) return;
   constexpr int VEC_BYTES = AFFINE_SLOT_BYTES / 2, VEC_CHUNKS = VEC_BYTES / 16;
 #pragma unroll
   for (int i0 = 0; i0 < 2 * VEC_CHUNKS; i0 += THREADS) {
-    const int i = i0 + tid;
+    const int i = i0 + copier;
     if ((2 * VEC_CHUNKS) % THREADS != 0 && i >= 2 * VEC_CHUNKS) break;
     const bool second = i >= VEC_CHUNKS;
     const void* vec = !second ? (Q_FROM_QRAW ? static_cast<const void*>(p.q_u) : p.gamma)
@@ -570,6 +596,12 @@ FN_INLINE void attend_tile(const Params& p, const QSource& src,
                            bool first, float (&o)[M_TILES][O_ACC_NTILES][4], float (&m)[M_TILES][2],
                            float (&l)[M_TILES][2], int lane) {
   const int g = lane >> 2, t2 = (lane & 3) * 2;
+  // Padded or unpadded stages: this lane's ldmatrix row and column as one byte address per tile, so that every
+  // n-tile's and k-step's offset is an immediate. Both read rows lane & 15 of a 16-row block, lanes 16-31 the
+  // next 8 columns: for K, keys of two n-tiles (b[0], b[1] the first 8 columns, b[2], b[3] the next 8); for V,
+  // transposed, keys of a k-step (b[0], b[1] one n-tile of columns, b[2], b[3] the next).
+  const u32 k_lane = smem_addr(k_tile) + ((lane & 15) * KV_ROW_ELEMS + (lane >> 4) * 8) * 2;
+  const u32 v_lane = smem_addr(v_tile) + ((lane & 15) * KV_ROW_ELEMS + (lane >> 4) * 8) * 2;
 
   // S = Q K^T (fp32). Key pairs of n-tiles past the last valid 16 keys are skipped (warp-uniform branch); the
   // warpgroup mma computes them all (their scores are never read).
@@ -621,14 +653,24 @@ FN_INLINE void attend_tile(const Params& p, const QSource& src,
 #pragma unroll
     for (int np = 0; np < S_NTILES / 2; ++np) {
       if (FILL != FILL_ANY || np * 16 < valid) {
+        if (LAST_KSTEP_K8 && kk == QK_KSTEPS - 1) {  // d = 40's columns 32..39: keys np*16 + 0..7 and 8..15
+          u32 b0, b1;  // (lanes 0-15 give the addresses)
+          ldmatrix_x2(b0, b1, k_lane + (np * 16 * KV_ROW_ELEMS + kk * 16) * 2);
+#pragma unroll
+          for (int mt = 0; mt < M_TILES; ++mt) {
+            mma_1688(s[mt][2 * np], a[mt], b0);
+            mma_1688(s[mt][2 * np + 1], a[mt], b1);
+          }
+          continue;
+        }
         u32 b[4];
-        const int k_row = np * 16 + (lane & 7) + ((lane >> 4) << 3), k_half = (lane >> 3) & 1;
-        ldmatrix_x4(b, smem_addr(KV_SWIZZLED ? k_tile + kv_swizzled_offset(k_row, kk * 2 + k_half)
-                                             : k_tile + k_row * ROW_STRIDE + kk * 16 + k_half * 8));
+        ldmatrix_x4(b, KV_SWIZZLED ? smem_addr(k_tile + kv_swizzled_offset(np * 16 + (lane & 15),
+                                                                           kk * 2 + (lane >> 4)))
+                                   : k_lane + (np * 16 * KV_ROW_ELEMS + kk * 16) * 2);
 #pragma unroll
         for (int mt = 0; mt < M_TILES; ++mt) {
-          mma_16816(s[mt][2 * np], a[mt], b[0], b[1]);
-          mma_16816(s[mt][2 * np + 1], a[mt], b[2], b[3]);
+          mma_16816(s[mt][2 * np], a[mt], b[0], b[2]);
+          mma_16816(s[mt][2 * np + 1], a[mt], b[1], b[3]);
         }
       }
     }
@@ -785,13 +827,12 @@ FN_INLINE void attend_tile(const Params& p, const QSource& src,
         a[mt][3] = pk[mt][2 * ks + 1][1];
         mma_16816(lc[mt], a[mt], ones, ones);
       }
-      const int v_row = ks * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
-      const u16* v_rows = v_tile + v_row * ROW_STRIDE;  // padded rows
 #pragma unroll
       for (int dp = 0; dp < O_NTILES / 2; ++dp) {
         u32 b[4];
-        ldmatrix_x4_trans(b, smem_addr(KV_SWIZZLED ? v_tile + kv_swizzled_offset(v_row, dp * 2 + (lane >> 4))
-                                                   : v_rows + dp * 16 + (lane >> 4) * 8));
+        ldmatrix_x4_trans(b, KV_SWIZZLED ? smem_addr(v_tile + kv_swizzled_offset(ks * 16 + (lane & 15),
+                                                                                 dp * 2 + (lane >> 4)))
+                                         : v_lane + (ks * 16 * KV_ROW_ELEMS + dp * 16) * 2);
 #pragma unroll
         for (int mt = 0; mt < M_TILES; ++mt) {
           mma_16816(o[mt][2 * dp], a[mt], b[0], b[1]);
@@ -800,7 +841,7 @@ FN_INLINE void attend_tile(const Params& p, const QSource& src,
       }
       if constexpr (O_NTILES % 2 == 1) {  // d = 40: the fifth n-tile of 8 columns
         u32 b0, b1;
-        ldmatrix_x2_trans(b0, b1, smem_addr(v_rows + (O_NTILES - 1) * 8));
+        ldmatrix_x2_trans(b0, b1, v_lane + (ks * 16 * KV_ROW_ELEMS + (O_NTILES - 1) * 8) * 2);  // lanes 0-15
 #pragma unroll
         for (int mt = 0; mt < M_TILES; ++mt) mma_16816(o[mt][O_NTILES - 1], a[mt], b0, b1);
       }
@@ -890,8 +931,8 @@ FN_INLINE void store_output_rows(const Params& p, const TmaMaps& maps, int b, u1
     __syncwarp();
     if (lane == 0) {
 #pragma unroll
-      for (int cb = 0; cb < HEAD_DIM / 64; ++cb)
-        tma_store_3d(&maps.y, smem_addr(x_tile + cb * BLOCK_M * 64), col0 + cb * 64, row0, b);
+      for (int cb = 0; cb < TMA_BOXES; ++cb)
+        tma_store_3d(&maps.y, smem_addr(x_tile + cb * BLOCK_M * TMA_BOX_COLS), col0 + cb * TMA_BOX_COLS, row0, b);
       bulk_commit();
     }
   } else {
@@ -1071,12 +1112,12 @@ FN_INLINE void cursor_advance(const Params& p, StepCursor& c, int key_tiles) {
 // The x-slice slot of a head: its first step's stage when every head is one step, else heads taken in turn.
 FN_INLINE int x_slot(const StepCursor& c, int stage) { return ONE_TILE ? stage : c.head_seq % STAGES; }
 
-// With USE_TMA: one thread arms the stage's barrier with the bytes to come and issues the bulk tensor copies, 64
-// columns at a time (keys and rows past the tensor's end arrive as zeros). A k/v dim broadcast with stride 0 (one
-// key head for all query heads, one batch for all) has size 1 in its map: its coordinate stays 0.
+// With USE_TMA: one thread arms the stage's barrier with the bytes to come and issues the bulk tensor copies,
+// TMA_BOX_COLS columns at a time (keys and rows past the tensor's end arrive as zeros). A k/v dim broadcast with
+// stride 0 (one key head for all query heads, one batch for all) has size 1 in its map: its coordinate stays 0.
 FN_INLINE void load_step_tma(const Params& p, const TmaMaps& maps, const StepCursor& c, int stage, u16* k_stages,
                              u16* v_stages, u16* x_slots, u32 bar) {
-  constexpr u32 KV_BOX = KV_ROWS * 128, X_BOX = BLOCK_M * 128;  // bytes per 64-column block
+  constexpr u32 KV_BOX = KV_ROWS * TMA_BOX_COLS * 2, X_BOX = BLOCK_M * TMA_BOX_COLS * 2;  // bytes per box
   const bool with_x = NEEDS_X_SLICE && c.tile == first_tile(c);
   const int kh = p.k_sh != 0 ? c.head : 0, kb = p.k_sb != 0 ? c.b : 0;
   const int vh = p.v_sh != 0 ? c.head : 0, vb = p.v_sb != 0 ? c.b : 0;
@@ -1084,20 +1125,21 @@ FN_INLINE void load_step_tma(const Params& p, const TmaMaps& maps, const StepCur
   // they do not push out the x rows that the other head groups' items read again (T5: 67 MB of K/V, 8 MB of x).
   // Elsewhere the copies carry no policy at all (a normal-priority one measured slower on SDXL).
   const bool kv_read_once = p.row_blocks == 1 && p.k_sb != 0 && p.k_sh != 0 && p.v_sb != 0 && p.v_sh != 0;
-  mbar_arrive_expect_tx(bar, (HEAD_DIM / 64) * (2 * KV_BOX + (with_x ? X_BOX : 0)));
+  mbar_arrive_expect_tx(bar, TMA_BOXES * (2 * KV_BOX + (with_x ? X_BOX : 0)));
   const u32 k_dst = smem_addr(k_stages + stage * KV_TILE_ELEMS), v_dst = smem_addr(v_stages + stage * KV_TILE_ELEMS);
   const u32 x_dst = smem_addr(x_slots + x_slot(c, stage) * X_TILE_ELEMS);
 #pragma unroll
-  for (int cb = 0; cb < HEAD_DIM / 64; ++cb) {
+  for (int cb = 0; cb < TMA_BOXES; ++cb) {
+    const int col = cb * TMA_BOX_COLS;
     if (kv_read_once) {
       const u64 stream = l2_evict_first();
-      tma_load_4d_hint(k_dst + cb * KV_BOX, &maps.k, cb * 64, c.tile * KV_ROWS, kh, kb, bar, stream);
-      tma_load_4d_hint(v_dst + cb * KV_BOX, &maps.v, cb * 64, c.tile * KV_ROWS, vh, vb, bar, stream);
+      tma_load_4d_hint(k_dst + cb * KV_BOX, &maps.k, col, c.tile * KV_ROWS, kh, kb, bar, stream);
+      tma_load_4d_hint(v_dst + cb * KV_BOX, &maps.v, col, c.tile * KV_ROWS, vh, vb, bar, stream);
     } else {
-      tma_load_4d(k_dst + cb * KV_BOX, &maps.k, cb * 64, c.tile * KV_ROWS, kh, kb, bar);
-      tma_load_4d(v_dst + cb * KV_BOX, &maps.v, cb * 64, c.tile * KV_ROWS, vh, vb, bar);
+      tma_load_4d(k_dst + cb * KV_BOX, &maps.k, col, c.tile * KV_ROWS, kh, kb, bar);
+      tma_load_4d(v_dst + cb * KV_BOX, &maps.v, col, c.tile * KV_ROWS, vh, vb, bar);
     }
-    if (with_x) tma_load_3d(x_dst + cb * X_BOX, &maps.x, c.head * HEAD_DIM + cb * 64, c.row_block * BLOCK_M, c.b, bar);
+    if (with_x) tma_load_3d(x_dst + cb * X_BOX, &maps.x, c.head * HEAD_DIM + col, c.row_block * BLOCK_M, c.b, bar);
   }
 }
 
@@ -1106,8 +1148,8 @@ FN_INLINE void load_step(const Params& p, const TmaMaps& maps, const StepCursor&
                          u16* v_stages, u16* x_slots, u8* affine_slots, u32 bars, int tid) {
   if constexpr (USE_TMA) {
     if (tid == 0) load_step_tma(p, maps, c, stage, k_stages, v_stages, x_slots, bars + stage * 8);
-    if (c.tile == first_tile(c))
-      load_affine_slot(p, c.head, affine_slots + x_slot(c, stage) * AFFINE_SLOT_BYTES, tid);
+    if (c.tile == first_tile(c))  // by the last warp's threads: warp 0's first lane is busy above
+      load_affine_slot(p, c.head, affine_slots + x_slot(c, stage) * AFFINE_SLOT_BYTES, THREADS - 1 - tid);
     return;
   }
   load_kv_tile(p, c.b, c.head, c.tile * KV_ROWS, k_stages + stage * KV_TILE_ELEMS, v_stages + stage * KV_TILE_ELEMS,
@@ -1145,13 +1187,6 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS_PER_SM)
       fence_mbar_init();
     }
     __syncthreads();
-  }
-
-  if constexpr (HEAD_DIM_PAD > HEAD_DIM) {  // pad columns of every K/V row are read by the last k-step: zero them
-    constexpr int PAD = HEAD_DIM_PAD > HEAD_DIM ? HEAD_DIM_PAD - HEAD_DIM : 1;  // (1: never a divisor of 0)
-    constexpr int ROWS = 2 * STAGES * KV_ROWS;  // K and V stages are contiguous
-    u16* rows = reinterpret_cast<u16*>(smem + OFF_K);
-    for (int i = tid; i < ROWS * PAD; i += THREADS) rows[(i / PAD) * ROW_STRIDE + HEAD_DIM + i % PAD] = 0;
   }
 
   const int key_tiles = ONE_TILE ? 1 : (p.kv_len + KV_ROWS - 1) / KV_ROWS;
@@ -1216,7 +1251,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS_PER_SM)
     }
     // this thread's copies, visible to wgmma after the barrier; with USE_TMA, its writes to the last step's x slot
     // ordered before the bulk copy that refills it
-    if constexpr (USE_WGMMA) fence_proxy_async();
+    if constexpr (USE_WGMMA || USE_TMA) fence_proxy_async();
     __syncthreads();  // this step's stage is visible to all warps; the stage refilled below is free
     if constexpr (ONE_TILE) {  // the step STAGES - 1 ahead, worked out again rather than carried (registers)
       ahead = cur;
