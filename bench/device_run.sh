@@ -4,14 +4,15 @@
 #   cpu: the CPU suite under that machine's torch; models: whole models (Whisper, T5, SD-1.5 UNet, torch decoder;
 #   one whose library is missing is skipped); ncu: the seed shape under Nsight Compute, with the per-instruction
 #   summary of bench/sass_profile.py; host: host time per op call (bench/host_profile_plan.py, and
-#   bench/host_dispatch.py: the autograd key's share). benchproj, sweep, ablate (bench/ablate_kernel.py), host,
-#   probe (bench/probe_copies.py: the decode K/V stream alone, per copy form), sanitize, ncu and choice
+#   bench/host_dispatch.py: the autograd key's share). benchproj, sweep, ab (the sweep against a base tree), ablate,
+#   host, probe (bench/probe_copies.py: the decode K/V stream alone, per copy form), sanitize, ncu and choice
 #   (bench/kernel_choice.py: what the default kernel="auto" picks against kernel and Inductor) run only when STEPS
 #   names them.
 #   OUT=<dir> [STEPS="gpu bench cpu models"] [SWEEP_SHAPES=t5_dec,...] [SWEEP_CHUNKS=1,2,4,8] [SWEEP_FORM=proj] \
 #     [NCU_SHAPES="seed sdxl64"] \
 #     bash bench/device_run.sh
 #   (models: MODELS=t5,torch MODEL_VARIANTS=inductor,fusednorm_plan,inductor_cg,fusednorm_plan_cg MODELS_TIMEOUT=...)
+#   (ab: AB_SHAPES=sd15_64 AB_ONLY=<tokens> AB_BASE_ONLY=<tokens> AB_FORMS="noproj proj", against ab_base/ if present)
 #   (wheels under .whl/ are installed first: carry diffusers there, the GPU machine lacks it; carry .kernels.tar.xz
 #   from bench/prebuild_kernels.py to skip the GPU tests' cold compiles)
 set -u
@@ -34,6 +35,11 @@ for step in $STEPS; do
       env $cache_env timeout ${GPU_TIMEOUT:-300} python3 -m pytest tests/gpu -q -x -p no:cacheprovider ${GPU_TESTS:-} 2>&1 | tee "$OUT/gpu_tests.log" | tail -4
       [ -n "$cache_env" ] && echo "kernels compiled on the device: $(find /tmp/fnk -name '*.fnk' -newer /tmp/fnk.unpacked | wc -l)" ;;
     ablate) timeout ${ABLATE_TIMEOUT:-200} python3 bench/ablate_kernel.py ${ABLATE_CUTS:+--cuts $ABLATE_CUTS} ${ABLATE_SHAPES:+--shapes $ABLATE_SHAPES} ${ABLATE_ALL:+--all-roles} 2>&1 | tee -a "$OUT/ablate.log" | tail -12 ;;
+    ab) for form in ${AB_FORMS:-noproj proj}; do  # the tree's candidates, then a base tree's (ab_base/: git archive
+        # main fusednorm bench | tar -x -C ab_base, carried untracked) on the same shapes, in one process each
+        echo "== this tree, $form"; timeout 150 python3 bench/sweep_tiles.py --shapes ${AB_SHAPES:-sd15_64} ${AB_ONLY:+--only $AB_ONLY} --form $form 2>&1 | tee "$OUT/ab_$form.log" | tail -8
+        [ -d ab_base ] && { echo "== ab_base, $form"; FUSEDNORM_CACHE_DIR=/tmp/fnk_ab_base timeout 150 python3 ab_base/bench/sweep_tiles.py --shapes ${AB_SHAPES:-sd15_64} ${AB_BASE_ONLY:+--only $AB_BASE_ONLY} --form $form 2>&1 | tee "$OUT/ab_base_$form.log" | tail -6; }
+      done ;;
     sweep) timeout 240 python3 bench/sweep_tiles.py ${SWEEP_SHAPES:+--shapes $SWEEP_SHAPES} ${SWEEP_ONLY:+--only $SWEEP_ONLY} ${SWEEP_CHUNKS:+--chunks $SWEEP_CHUNKS} ${SWEEP_FORM:+--form $SWEEP_FORM} 2>&1 | tee "$OUT/sweep.log" | tail -40 ;;
     sanitize) for tool in memcheck racecheck; do
         timeout 100 compute-sanitizer --tool $tool python3 tests/gpu/sanitize_kernels.py > "$OUT/$tool.log" 2>&1
