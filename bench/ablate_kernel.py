@@ -42,8 +42,8 @@ CUTS = {  # name -> (what it removes, [(old, new), ...])
                    [("        st_global16_stream(yp, ", "        if (p.q_len < 0) st_global16_stream(yp, "),
                     ("        tma_store_3d(&maps.y, ", "        if (p.q_len < 0) tma_store_3d(&maps.y, ")]),
     "no_qk_mma": ("the QK^T mma (scores stay 0; Q and the K fragments are then never built)",
-                  [("          mma_16816(s[mt][2 * np], a[mt], b[0], b[2]);\n"
-                    "          mma_16816(s[mt][2 * np + 1], a[mt], b[1], b[3]);\n", ""),
+                  [("          mma_16816(s[mt][2 * np], a[mt], b[0], b[1]);\n"
+                    "          mma_16816(s[mt][2 * np + 1], a[mt], b[2], b[3]);\n", ""),
                    ("            mma_1688(s[mt][2 * np], a[mt], b0);\n"
                     "            mma_1688(s[mt][2 * np + 1], a[mt], b1);\n", ""),  # d = 40's last k-step
                    ("      wgmma_scores(s[0], a[kk], ", "      if (p.q_len < 0) wgmma_scores(s[0], a[kk], ")]),

@@ -597,10 +597,12 @@ FN_INLINE void attend_tile(const Params& p, const QSource& src,
                            float (&l)[M_TILES][2], int lane) {
   const int g = lane >> 2, t2 = (lane & 3) * 2;
   // Padded or unpadded stages: this lane's ldmatrix row and column as one byte address per tile, so that every
-  // n-tile's and k-step's offset is an immediate. Both read rows lane & 15 of a 16-row block, lanes 16-31 the
-  // next 8 columns: for K, keys of two n-tiles (b[0], b[1] the first 8 columns, b[2], b[3] the next 8); for V,
-  // transposed, keys of a k-step (b[0], b[1] one n-tile of columns, b[2], b[3] the next).
-  const u32 k_lane = smem_addr(k_tile) + ((lane & 15) * KV_ROW_ELEMS + (lane >> 4) * 8) * 2;
+  // n-tile's and k-step's offset is an immediate. K: keys (lane & 7) + 8 * (lane >> 4), lanes 8-15 and 24-31 the
+  // next 8 columns (b[0], b[1] one n-tile's two column halves, b[2], b[3] the next n-tile's: each pair in adjacent
+  // registers, as the mma takes it); d = 40's last k-step of 8 columns reads keys lane & 15 (lanes 0-15). V,
+  // transposed: keys lane & 15, lanes 16-31 the next 8 columns (b[0], b[1] one n-tile of columns, b[2], b[3] the next).
+  const u32 k_lane = smem_addr(k_tile) + (((lane & 7) + ((lane >> 4) << 3)) * KV_ROW_ELEMS + ((lane >> 3) & 1) * 8) * 2;
+  const u32 k8_lane = smem_addr(k_tile) + (lane & 15) * KV_ROW_ELEMS * 2;
   const u32 v_lane = smem_addr(v_tile) + ((lane & 15) * KV_ROW_ELEMS + (lane >> 4) * 8) * 2;
 
   // S = Q K^T (fp32). Key pairs of n-tiles past the last valid 16 keys are skipped (warp-uniform branch); the
@@ -654,8 +656,8 @@ FN_INLINE void attend_tile(const Params& p, const QSource& src,
     for (int np = 0; np < S_NTILES / 2; ++np) {
       if (FILL != FILL_ANY || np * 16 < valid) {
         if (LAST_KSTEP_K8 && kk == QK_KSTEPS - 1) {  // d = 40's columns 32..39: keys np*16 + 0..7 and 8..15
-          u32 b0, b1;  // (lanes 0-15 give the addresses)
-          ldmatrix_x2(b0, b1, k_lane + (np * 16 * KV_ROW_ELEMS + kk * 16) * 2);
+          u32 b0, b1;
+          ldmatrix_x2(b0, b1, k8_lane + (np * 16 * KV_ROW_ELEMS + kk * 16) * 2);
 #pragma unroll
           for (int mt = 0; mt < M_TILES; ++mt) {
             mma_1688(s[mt][2 * np], a[mt], b0);
@@ -664,13 +666,13 @@ FN_INLINE void attend_tile(const Params& p, const QSource& src,
           continue;
         }
         u32 b[4];
-        ldmatrix_x4(b, KV_SWIZZLED ? smem_addr(k_tile + kv_swizzled_offset(np * 16 + (lane & 15),
-                                                                           kk * 2 + (lane >> 4)))
+        const int k_row = np * 16 + (lane & 7) + ((lane >> 4) << 3), k_half = (lane >> 3) & 1;
+        ldmatrix_x4(b, KV_SWIZZLED ? smem_addr(k_tile + kv_swizzled_offset(k_row, kk * 2 + k_half))
                                    : k_lane + (np * 16 * KV_ROW_ELEMS + kk * 16) * 2);
 #pragma unroll
         for (int mt = 0; mt < M_TILES; ++mt) {
-          mma_16816(s[mt][2 * np], a[mt], b[0], b[2]);
-          mma_16816(s[mt][2 * np + 1], a[mt], b[1], b[3]);
+          mma_16816(s[mt][2 * np], a[mt], b[0], b[1]);
+          mma_16816(s[mt][2 * np + 1], a[mt], b[2], b[3]);
         }
       }
     }
