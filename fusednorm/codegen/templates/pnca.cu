@@ -145,6 +145,7 @@ constexpr int COMBINE_K_WARPS = (WARPS + 1) / 2;
 static_assert(KEY_SPLIT == 1 || COMBINE_K_WARPS * 16 * HEAD_DIM * 4 <= KV_TILE_ELEMS * 2,
               "the key split's merge fits one K tile and one V tile");
 constexpr int TMA_ALIGN = DENSE_ROWS ? 128 : 1024;  // bulk copies' shared addresses (swizzled: the pattern's period)
+static_assert(!USE_TMA || WARPS >= 4, "bulk copies: warps 0-2 issue them, the last warp copies the norm parameters");
 static_assert(!USE_TMA || (OFF_X % TMA_ALIGN == 0 && X_TILE_ELEMS * 2 % TMA_ALIGN == 0 && OFF_BARS % 8 == 0 &&
                            KV_TILE_ELEMS * 2 % TMA_ALIGN == 0 && OFF_V % TMA_ALIGN == 0 &&
                            ROWS_PER_WARP * X_ROW_ELEMS * 2 % (DENSE_ROWS ? 128 : 1) == 0),
@@ -1114,34 +1115,39 @@ FN_INLINE void cursor_advance(const Params& p, StepCursor& c, int key_tiles) {
 // The x-slice slot of a head: its first step's stage when every head is one step, else heads taken in turn.
 FN_INLINE int x_slot(const StepCursor& c, int stage) { return ONE_TILE ? stage : c.head_seq % STAGES; }
 
-// With USE_TMA: one thread arms the stage's barrier with the bytes to come and issues the bulk tensor copies,
-// TMA_BOX_COLS columns at a time (keys and rows past the tensor's end arrive as zeros). A k/v dim broadcast with
-// stride 0 (one key head for all query heads, one batch for all) has size 1 in its map: its coordinate stays 0.
+// With USE_TMA: the first lane of warp ``part`` issues one operand's bulk tensor copies (0: K, 1: V, 2: the x
+// slice), TMA_BOX_COLS columns at a time (keys and rows past the tensor's end arrive as zeros), so that no warp
+// carries the whole issue (every warp waits for the slowest at the step's barrier); warp 0's also arms the stage's
+// barrier with all the bytes to come. A copy that lands before the barrier is armed takes its bytes off early (the
+// count may go below zero): the phase cannot complete before that one arrival. A k/v dim broadcast with stride 0
+// (one key head for all query heads, one batch for all) has size 1 in its map: its coordinate stays 0.
 FN_INLINE void load_step_tma(const Params& p, const TmaMaps& maps, const StepCursor& c, int stage, u16* k_stages,
-                             u16* v_stages, u16* x_slots, u32 bar) {
+                             u16* v_stages, u16* x_slots, u32 bar, int part) {
   constexpr u32 KV_BOX = KV_ROWS * TMA_BOX_COLS * 2, X_BOX = BLOCK_M * TMA_BOX_COLS * 2;  // bytes per box
   const bool with_x = NEEDS_X_SLICE && c.tile == first_tile(c);
-  const int kh = p.k_sh != 0 ? c.head : 0, kb = p.k_sb != 0 ? c.b : 0;
-  const int vh = p.v_sh != 0 ? c.head : 0, vb = p.v_sb != 0 ? c.b : 0;
+  if (part == 0) mbar_arrive_expect_tx(bar, TMA_BOXES * (2 * KV_BOX + (with_x ? X_BOX : 0)));
+  if (part == 2) {
+    const u32 x_dst = smem_addr(x_slots + x_slot(c, stage) * X_TILE_ELEMS);
+#pragma unroll
+    for (int cb = 0; cb < TMA_BOXES && with_x; ++cb)
+      tma_load_3d(x_dst + cb * X_BOX, &maps.x, c.head * HEAD_DIM + cb * TMA_BOX_COLS, c.row_block * BLOCK_M, c.b,
+                  bar);
+    return;
+  }
+  const bool k = part == 0;
+  const TensorMap* map = k ? &maps.k : &maps.v;
+  const int h = (k ? p.k_sh : p.v_sh) != 0 ? c.head : 0, b = (k ? p.k_sb : p.v_sb) != 0 ? c.b : 0;
+  const u32 dst = smem_addr((k ? k_stages : v_stages) + stage * KV_TILE_ELEMS);
   // K/V tiles that no other item reads (one row block, no broadcast dims) stream through L2 evict-first, so that
   // they do not push out the x rows that the other head groups' items read again (T5: 67 MB of K/V, 8 MB of x).
   // Elsewhere the copies carry no policy at all (a normal-priority one measured slower on SDXL).
   const bool kv_read_once = p.row_blocks == 1 && p.k_sb != 0 && p.k_sh != 0 && p.v_sb != 0 && p.v_sh != 0;
-  mbar_arrive_expect_tx(bar, TMA_BOXES * (2 * KV_BOX + (with_x ? X_BOX : 0)));
-  const u32 k_dst = smem_addr(k_stages + stage * KV_TILE_ELEMS), v_dst = smem_addr(v_stages + stage * KV_TILE_ELEMS);
-  const u32 x_dst = smem_addr(x_slots + x_slot(c, stage) * X_TILE_ELEMS);
 #pragma unroll
   for (int cb = 0; cb < TMA_BOXES; ++cb) {
-    const int col = cb * TMA_BOX_COLS;
-    if (kv_read_once) {
-      const u64 stream = l2_evict_first();
-      tma_load_4d_hint(k_dst + cb * KV_BOX, &maps.k, col, c.tile * KV_ROWS, kh, kb, bar, stream);
-      tma_load_4d_hint(v_dst + cb * KV_BOX, &maps.v, col, c.tile * KV_ROWS, vh, vb, bar, stream);
-    } else {
-      tma_load_4d(k_dst + cb * KV_BOX, &maps.k, col, c.tile * KV_ROWS, kh, kb, bar);
-      tma_load_4d(v_dst + cb * KV_BOX, &maps.v, col, c.tile * KV_ROWS, vh, vb, bar);
-    }
-    if (with_x) tma_load_3d(x_dst + cb * X_BOX, &maps.x, c.head * HEAD_DIM + col, c.row_block * BLOCK_M, c.b, bar);
+    if (kv_read_once)
+      tma_load_4d_hint(dst + cb * KV_BOX, map, cb * TMA_BOX_COLS, c.tile * KV_ROWS, h, b, bar, l2_evict_first());
+    else
+      tma_load_4d(dst + cb * KV_BOX, map, cb * TMA_BOX_COLS, c.tile * KV_ROWS, h, b, bar);
   }
 }
 
@@ -1149,8 +1155,9 @@ FN_INLINE void load_step_tma(const Params& p, const TmaMaps& maps, const StepCur
 FN_INLINE void load_step(const Params& p, const TmaMaps& maps, const StepCursor& c, int stage, u16* k_stages,
                          u16* v_stages, u16* x_slots, u8* affine_slots, u32 bars, int tid) {
   if constexpr (USE_TMA) {
-    if (tid == 0) load_step_tma(p, maps, c, stage, k_stages, v_stages, x_slots, bars + stage * 8);
-    if (c.tile == first_tile(c))  // by the last warp's threads: warp 0's first lane is busy above
+    if (tid % 32 == 0 && tid < 96) load_step_tma(p, maps, c, stage, k_stages, v_stages, x_slots, bars + stage * 8,
+                                                 tid / 32);
+    if (c.tile == first_tile(c))  // by the last warp's threads: warps 0-2's first lanes are busy above
       load_affine_slot(p, c.head, affine_slots + x_slot(c, stage) * AFFINE_SLOT_BYTES, THREADS - 1 - tid);
     return;
   }
