@@ -125,7 +125,7 @@ def tile_for(role: str, head_dim: int, arch: int = 80, stage: bool = False) -> T
     if role == "few_keys":  # one stage per head; 8 warps of 16 rows (more warps per SM beat K/V reuse: 18-21 %)
         if head_dim > 128:
             return tile_for("base", head_dim)
-        # sm_90, d = 40: stages filled by bulk copies of unpadded rows (see KernelSpec.dense_rows)
+        # sm_90, d = 40: stages filled by bulk copies of unpadded rows (see dense_rows_fit)
         tma = arch == 90 and dense_rows_fit(head_dim)
         return TileConfig(warps=8, m_tiles=1, block_n=FEW_KEYS, key_split=1, stages=2, one_tile=True, tma=tma)
     raise ValueError(f"fusednorm: unknown tile role {role!r}; expected one of {TILE_ROLES}")
