@@ -236,6 +236,11 @@ def test_every_ablation_cut_applies_to_each_kernel(arch, role, monkeypatch):
         if name in ("no_qk_mma", "no_pv_mma"):
             assert cut != source
             compile_to_cubin(cut, spec.key, spec.arch)
+    for name, (_, edits) in ab.VARIANTS.items():  # what --variants times must build, and change the source
+        variant = ab.edited_render(lambda _: source, name, edits, all_roles=True)(spec)
+        assert variant != source and variant.count("cache_hint") > source.count("cache_hint"), name
+        _, usage, _ = compile_to_cubin(variant, spec.key, spec.arch)
+        assert usage.spill_stores == usage.spill_loads == 0, (name, usage)
 
 
 def test_copy_probe_builds_every_copy_form_without_spills_and_sizes_shared_memory_for_the_occupancy_asked():
