@@ -1021,6 +1021,13 @@ FN_INLINE void combine_and_store(const Params& p, long long unit, int chunk, con
     }
     store_merged_chunk(p, x_tile, y_batch, r, c, q, col0, f, total, bad);
   }
+  if constexpr (HEAD_DIM_PAD > HEAD_DIM) {
+    // The partials overwrote the K tile's pad columns, which the stage's refills leave alone and the last k-step
+    // reads (times Q's zero pad): zero them again, or a float's bits that read as Inf/NaN there make 0 * Inf = NaN.
+    constexpr int PAD = HEAD_DIM_PAD > HEAD_DIM ? HEAD_DIM_PAD - HEAD_DIM : 1;  // (1: never a divisor of 0)
+    __syncthreads();  // every thread is past its reads of the partials
+    for (int i = tid; i < KV_ROWS * PAD; i += THREADS) k_tile[(i / PAD) * ROW_STRIDE + HEAD_DIM + i % PAD] = 0;
+  }
   if (chunked) {
     merge_key_chunks(p, unit_part, p.tickets + unit, x_tile, y_batch, row0, col0, tid, bad);
     return;
