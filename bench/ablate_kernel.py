@@ -7,6 +7,12 @@ Each cut is an exact text replacement in the rendered source of the one-tile ker
 kernel: for shapes that other roles take);
 a replacement that no longer matches the template stops the run, so the cuts cannot silently go stale. The mma cuts
 edit both the mma.sync and the warpgroup-mma (sm_90) code, so they cut whichever the GPU runs.
+
+    PYTHONPATH=. python bench/ablate_kernel.py --variants [--shapes ...]
+
+Variants are edits that keep the result: each kernel's output must equal the baseline's bit for bit (the run
+stops otherwise), and they are timed over rotating input sets, as bench_block.py times the block, because they
+are about what stays in L2 (the cuts are timed on one set).
 """
 from __future__ import annotations
 
@@ -22,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ["FUSEDNORM_CACHE_DIR"] = tempfile.mkdtemp(prefix="fusednorm_ablate_")  # cut kernels stay out of the cache
 import fusednorm.codegen as codegen  # noqa: E402
-from bench_block import SHAPES, NoProjForm, graph_time_us  # noqa: E402
+from bench_block import SHAPES, NoProjForm, graph_time_us, input_sets_for  # noqa: E402
 from fusednorm.codegen import cache, render as render_mod  # noqa: E402
 
 CUTS = {  # name -> (what it removes, [(old, new), ...])
@@ -68,35 +74,127 @@ CUTS = {  # name -> (what it removes, [(old, new), ...])
 }
 
 
+# L2 eviction priorities for x. The few-key kernels read each row of x twice: whole, in the statistics pass at an
+# item's start, then head by head in slices; at the seed's 264 CTAs x 256 KB of rows the first read is more than
+# L2 holds, so the second may go to DRAM again. These mark the first read's lines evict-last and the second's
+# (their last use) and y's evict-first. The helpers are added beside the prelude's own.
+_LD_ANCHOR = "FN_INLINE u32x4 ld_global16(const void* p) { return *reinterpret_cast<const u32x4*>(p); }\n"
+_HINT_HELPERS = (_LD_ANCHOR, _LD_ANCHOR + r"""FN_INLINE u64 l2_evict_last(float fraction) {
+  u64 policy;
+  asm("createpolicy.fractional.L2::evict_last.b64 %0, %1;\n" : "=l"(policy) : "f"(fraction));
+  return policy;
+}
+FN_INLINE u32x4 ld_global16_hint(const void* p, u64 policy) {
+  u32x4 v;
+  asm("ld.global.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;\n"
+      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p), "l"(policy));
+  return v;
+}
+FN_INLINE void cp_async16_hint(u32 dst, const void* src, int src_bytes, u64 policy) {
+  asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, %3;\n"
+               ::"r"(dst), "l"(src), "r"(src_bytes), "l"(policy));
+}
+""")
+_TMA_ANCHOR = "FN_INLINE u64 l2_evict_first() {"
+_TMA_HELPERS = (_TMA_ANCHOR, r"""
+FN_INLINE void tma_load_3d_hint(u32 dst, const TensorMap* map, int c0, int c1, int c2, u32 bar, u64 policy) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.L2::cache_hint [%0], "
+      "[%1, {%2, %3, %4}], [%5], %6;\n" ::"r"(dst), "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(bar), "l"(policy)
+      : "memory");
+}
+FN_INLINE void tma_store_3d_hint(const TensorMap* map, u32 src, int c0, int c1, int c2, u64 policy) {
+  asm volatile("cp.async.bulk.tensor.3d.global.shared::cta.bulk_group.L2::cache_hint [%0, {%2, %3, %4}], [%1], "
+               "%5;\n" ::"l"(map), "r"(src), "r"(c0), "r"(c1), "r"(c2), "l"(policy) : "memory");
+}
+""" + _TMA_ANCHOR)
+
+
+def _stats_keep(fraction):
+    return [_HINT_HELPERS,
+            ("  const u32 ones = pack2_elem(1.f, 1.f);\n  bool redo = false;\n",
+             f"  const u32 ones = pack2_elem(1.f, 1.f);\n  bool redo = false;\n"
+             f"  const u64 keep = l2_evict_last({fraction:.2f}f);\n"),
+            ("ld_global16(xa + c)", "ld_global16_hint(xa + c, keep)"),
+            ("ld_global16(xb + c)", "ld_global16_hint(xb + c, keep)")]
+
+
+_SLICE_LAST_USE = [  # the x slice's copy (bulk or 16-byte) marks the lines evict-first: x is not read again
+    ("      tma_load_3d(x_dst + cb * X_BOX, &maps.x, c.head * HEAD_DIM + cb * TMA_BOX_COLS, "
+     "c.row_block * BLOCK_M, c.b,\n                  bar);",
+     "      tma_load_3d_hint(x_dst + cb * X_BOX, &maps.x, c.head * HEAD_DIM + cb * TMA_BOX_COLS, "
+     "c.row_block * BLOCK_M, c.b, bar, l2_evict_first());"),
+    ("      cp_async16(dst + i * COPY_ROWS * ROW_STRIDE * 2, xp, 16);",
+     "      cp_async16_hint(dst + i * COPY_ROWS * ROW_STRIDE * 2, xp, 16, l2_evict_first());")]
+_Y_EVICT_FIRST = [  # y's bulk stores evict-first (its 16-byte stores already are: st.global.cs)
+    ("tma_store_3d(&maps.y, smem_addr(x_tile + cb * BLOCK_M * TMA_BOX_COLS), col0 + cb * TMA_BOX_COLS, row0, b);",
+     "tma_store_3d_hint(&maps.y, smem_addr(x_tile + cb * BLOCK_M * TMA_BOX_COLS), col0 + cb * TMA_BOX_COLS, row0, b, "
+     "l2_evict_first());")]
+
+VARIANTS = {  # name -> (what it changes, [(old, new), ...]); results must stay bit-identical
+    "stats_keep": ("the statistics pass's x loads evict-last in L2", _stats_keep(1.0)),
+    "stats_keep_half": ("the same for half of the lines (createpolicy fraction 0.5)", _stats_keep(0.5)),
+    "slice_last_use": ("the x slice copies evict-first (x's last read)",
+                       [_HINT_HELPERS, _TMA_HELPERS] + _SLICE_LAST_USE),
+    "stats_keep_slice_last": ("both of the above", _stats_keep(1.0) + [_TMA_HELPERS] + _SLICE_LAST_USE),
+    "all_l2_hints": ("both, and the bulk stores of y evict-first",
+                     _stats_keep(1.0) + [_TMA_HELPERS] + _SLICE_LAST_USE + _Y_EVICT_FIRST),
+}
+
+
+def edited_render(original, name, edits, all_roles):
+    """``render`` with ``edits`` applied to the one-tile kernels (every kernel with ``all_roles``)."""
+    def render(spec):
+        src = original(spec)
+        if not (spec.tile.one_tile or all_roles):
+            return src
+        if name == "no_refill" and spec.tile.tma:  # its stages' barriers would never complete again
+            raise SystemExit("cut 'no_refill' would hang a tile whose stages are bulk copies; time its twin "
+                             "without tma (spec.tile_for) instead")
+        for old, new in edits:
+            if src.count(old) != 1:
+                raise SystemExit(f"{name!r}: {old!r} is not found exactly once in the template")
+            src = src.replace(old, new)
+        return src
+    return render
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="seed,sdxl64,sd15_64")
     ap.add_argument("--cuts", default=",".join(CUTS), help="which cuts, baseline first")
+    ap.add_argument("--variants", nargs="?", const=",".join(VARIANTS), default=None,
+                    help="time these result-keeping variants (none named, or 'all': every one) instead of the cuts")
     ap.add_argument("--all-roles", action="store_true", help="cut every role's kernel, not only the one-tile ones")
     args = ap.parse_args()
     form = NoProjForm()
     gen = torch.Generator(device="cuda").manual_seed(0)
     original = render_mod.render
-    inputs = {name: form.make_inputs(SHAPES[name], torch.bfloat16, gen) for name in args.shapes.split(",")}
-    print("cut".ljust(16) + "".join(f"{n:>12s}" for n in inputs) + "   (us, CUDA-graph replay median)")
-    for cut in args.cuts.split(","):
-        what, edits = CUTS[cut]
-        def render(spec, _edits=edits):
-            src = original(spec)
-            if not (spec.tile.one_tile or args.all_roles):
-                return src
-            if cut == "no_refill" and spec.tile.tma:  # its stages' barriers would never complete again
-                raise SystemExit("cut 'no_refill' would hang a tile whose stages are bulk copies; time its twin "
-                                 "without tma (spec.tile_for) instead")
-            for old, new in _edits:
-                if src.count(old) != 1:
-                    raise SystemExit(f"cut {cut!r}: {old!r} is not found exactly once in the template")
-                src = src.replace(old, new)
-            return src
-        cache.render = render
-        codegen.forget_loaded_kernels()  # also drops the compiles held in memory: the cut is built and loaded
-        row = [graph_time_us(form.fused, [t], min_total_s=0.1) for t in inputs.values()]
-        print(f"{cut:16s}" + "".join(f"{us:12.1f}" for us in row) + f"   {what}", flush=True)
+    if args.variants is None:
+        names, table = args.cuts.split(","), CUTS
+        inputs = {name: [form.make_inputs(SHAPES[name], torch.bfloat16, gen)] for name in args.shapes.split(",")}
+    else:
+        chosen = list(VARIANTS) if args.variants == "all" else args.variants.split(",")
+        names, table = ["baseline", *chosen], {"baseline": CUTS["baseline"], **VARIANTS}
+        l2_bytes = torch.cuda.get_device_properties(0).L2_cache_size
+        inputs = {name: input_sets_for(form, SHAPES[name], torch.bfloat16, gen, l2_bytes)
+                  for name in args.shapes.split(",")}
+    unknown = [name for name in names if name not in table]
+    if unknown:
+        raise SystemExit(f"unknown: {unknown}; known: {', '.join(table)}")
+    print("cut".ljust(22) + "".join(f"{n:>12s}" for n in inputs) + "   (us, CUDA-graph replay median)")
+    expected = {}
+    for name in names:
+        what, edits = table[name]
+        cache.render = edited_render(original, name, edits, args.all_roles)
+        codegen.forget_loaded_kernels()  # also drops the compiles held in memory: the edit is built and loaded
+        if args.variants is not None:  # a variant must leave every bit of y as the baseline computes it
+            for shape, sets in inputs.items():
+                y = form.fused(**sets[0])
+                if expected.setdefault(shape, y) is not y and not torch.equal(y, expected[shape]):
+                    raise SystemExit(f"variant {name!r} changed the result on {shape}")
+        row = [graph_time_us(form.fused, sets, min_total_s=0.1) for sets in inputs.values()]
+        print(f"{name:22s}" + "".join(f"{us:12.1f}" for us in row) + f"   {what}", flush=True)
     cache.render = original
 
 

@@ -212,7 +212,8 @@ def test_stall_reasons_reads_the_raw_page():
 
 @pytest.mark.parametrize("arch", [80, 90])
 @pytest.mark.parametrize("role", ["few_keys", "long"])  # the one-tile kernels, and with --all-roles the others
-def test_every_ablation_cut_applies_to_each_kernel(arch, role, monkeypatch):
+@pytest.mark.parametrize("d", [64, 40])
+def test_every_ablation_cut_applies_to_each_kernel(arch, role, d, monkeypatch):
     """bench/ablate_kernel.py edits the rendered source: each cut must match it exactly once (mma.sync and wgmma
     text alike), and the cut kernel must still compile."""
     pytest.importorskip("cuda.bindings.nvrtc")
@@ -226,7 +227,7 @@ def test_every_ablation_cut_applies_to_each_kernel(arch, role, monkeypatch):
         ab = _load("ablate_kernel", "ablate_kernel.py")
     finally:
         sys.path.remove(str(BENCH))
-    spec = KernelSpec("bf16", 64, "layer", True, True, False, "none", False, tile_for(role, 64, arch), arch, False)
+    spec = KernelSpec("bf16", d, "layer", True, True, False, "none", False, tile_for(role, d, arch), arch, False)
     source = render(spec)
     for name, (_, edits) in ab.CUTS.items():
         cut = source
@@ -236,6 +237,11 @@ def test_every_ablation_cut_applies_to_each_kernel(arch, role, monkeypatch):
         if name in ("no_qk_mma", "no_pv_mma"):
             assert cut != source
             compile_to_cubin(cut, spec.key, spec.arch)
+    for name, (_, edits) in ab.VARIANTS.items():  # what --variants times must build, and change the source
+        variant = ab.edited_render(lambda _: source, name, edits, all_roles=True)(spec)
+        assert variant != source and variant.count("cache_hint") > source.count("cache_hint"), name
+        _, usage, _ = compile_to_cubin(variant, spec.key, spec.arch)
+        assert usage.spill_stores == usage.spill_loads == 0, (name, usage)
 
 
 def test_copy_probe_builds_every_copy_form_without_spills_and_sizes_shared_memory_for_the_occupancy_asked():
