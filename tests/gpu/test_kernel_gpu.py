@@ -244,6 +244,21 @@ def test_sm_count_gives_bit_identical_results():
                 assert torch.equal(o, outs[0]), (d, Lq, Lk, dtype)
 
 
+@pytest.mark.parametrize("role", TILE_ROLES)
+def test_every_tile_role_gives_the_same_bits_when_each_cta_works_through_many_items(role, monkeypatch, tile_set):
+    """sm_count=1: a grid of one SM's CTAs, each running many items, heads and key tiles one after another, so
+    whatever one item leaves in shared memory (stages, x slots, statistics, merge buffers) meets the next; the
+    bits must be those of the default grid, where most CTAs run one item. Partial last row blocks and key tiles."""
+    monkeypatch.setattr(select, "force_role", role)
+    gen = torch.Generator(device=DEV).manual_seed(int.from_bytes(os.urandom(4), "little"))
+    Lq, Lk = (77, 77) if role == "few_keys" else ((3, 300) if role == "short" else (77, 300))
+    for d in HEAD_DIMS:
+        for dtype in (torch.bfloat16, torch.float16) if d % 16 else (torch.bfloat16,):
+            x, k, v, g, b, m = make_inputs(dtype, 5, Lq, Lk, 3 if d <= 64 else 2, d, mask="bool", gen=gen)
+            wide, narrow = (fused(x, k, v, g, b, m, "layer", sm_count=s) for s in (None, 1))
+            assert torch.isfinite(wide).all() and torch.equal(narrow, wide), (role, d, dtype, launch.last_launched)
+
+
 def test_decode_at_small_batch_splits_keys_between_ctas():
     """Few (batch, head) pairs: each pair's keys run on several CTAs, the last merges them. Against float64 at batch
     1..16, with key padding that leaves whole runs masked, rows masked throughout, additive -inf, repeated calls and
