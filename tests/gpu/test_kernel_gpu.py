@@ -257,6 +257,14 @@ def test_every_tile_role_gives_the_same_bits_when_each_cta_works_through_many_it
             x, k, v, g, b, m = make_inputs(dtype, 5, Lq, Lk, 3 if d <= 64 else 2, d, mask="bool", gen=gen)
             wide, narrow = (fused(x, k, v, g, b, m, "layer", sm_count=s) for s in (None, 1))
             assert torch.isfinite(wide).all() and torch.equal(narrow, wide), (role, d, dtype, launch.last_launched)
+    if role == "short":  # each head's keys in 3 runs: one CTA then takes several runs of one head, and their tickets
+        monkeypatch.setattr(select, "force_kv_chunks", 3)
+        for d in (40, 64):
+            x, k, v, g, b, m = make_inputs(torch.bfloat16, 2, 1, 700, 3, d, mask="bool", gen=gen)
+            wide, narrow = (fused(x, k, v, g, b, m, "layer", sm_count=s) for s in (None, 1))
+            ref = reference64(x, k, v, g, b, m, "layer", 1e-5, None)
+            assert rel_l2(wide, ref) <= 2 * rel_l2(eager_block(x, k, v, g, b, m, "layer", 1e-5, None), ref) + 1e-7
+            assert torch.equal(narrow, wide), d
 
 
 def test_decode_at_small_batch_splits_keys_between_ctas():
