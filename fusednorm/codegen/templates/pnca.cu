@@ -80,10 +80,6 @@ constexpr int ROW_STRIDE = HEAD_DIM_PAD + 8;             // +16 bytes: the 8 row
 constexpr int CHUNKS = HEAD_DIM / 8;                     // 16-byte chunks per head row
 constexpr bool LAST_KSTEP_K8 = HEAD_DIM % 16 != 0;       // QK^T's last k-step covers 8 columns (m16n8k8)
 constexpr bool DENSE_ROWS = USE_TMA && !USE_WGMMA;       // K/V stages and x slots: unpadded rows, as bulk-copied
-// Warps whose first lanes issue a stage's bulk copies (K, V, the x slice): three for the dense-row tile, whose
-// mma.sync warps each carry a long chain (the tile was timed with the split: SD 1.5 -16 %); one elsewhere (the
-// wgmma tiles with three measured Lk 2048 +3 %).
-constexpr int COPY_WARPS = DENSE_ROWS ? 3 : 1;
 constexpr bool NEEDS_X_SLICE = !Q_FROM_QRAW || !WRITE_O;  // for the norm of Q, or for the residual
 constexpr int ROWS_PER_WARP = 16 * M_TILES;
 constexpr int BLOCK_M = KEY_SPLIT > 1 ? ROWS_PER_WARP : WARPS * ROWS_PER_WARP;
@@ -149,8 +145,7 @@ constexpr int COMBINE_K_WARPS = (WARPS + 1) / 2;
 static_assert(KEY_SPLIT == 1 || COMBINE_K_WARPS * 16 * HEAD_DIM * 4 <= KV_TILE_ELEMS * 2,
               "the key split's merge fits one K tile and one V tile");
 constexpr int TMA_ALIGN = DENSE_ROWS ? 128 : 1024;  // bulk copies' shared addresses (swizzled: the pattern's period)
-static_assert(!USE_TMA || WARPS > COPY_WARPS, "bulk copies: warps below COPY_WARPS issue them, the last warp copies "
-              "the norm parameters");
+static_assert(!USE_TMA || WARPS >= 4, "bulk copies: warps 0-2 issue them, the last warp copies the norm parameters");
 static_assert(!USE_TMA || (OFF_X % TMA_ALIGN == 0 && X_TILE_ELEMS * 2 % TMA_ALIGN == 0 && OFF_BARS % 8 == 0 &&
                            KV_TILE_ELEMS * 2 % TMA_ALIGN == 0 && OFF_V % TMA_ALIGN == 0 &&
                            ROWS_PER_WARP * X_ROW_ELEMS * 2 % (DENSE_ROWS ? 128 : 1) == 0),
@@ -1120,10 +1115,11 @@ FN_INLINE void cursor_advance(const Params& p, StepCursor& c, int key_tiles) {
 // The x-slice slot of a head: its first step's stage when every head is one step, else heads taken in turn.
 FN_INLINE int x_slot(const StepCursor& c, int stage) { return ONE_TILE ? stage : c.head_seq % STAGES; }
 
-// With USE_TMA: one operand's bulk tensor copies (part 0: K, 1: V, 2: the x slice), TMA_BOX_COLS columns at a time
-// (keys and rows past the tensor's end arrive as zeros); part 0 also arms the stage's barrier with all the bytes to
-// come. A copy that lands before the barrier is armed takes its bytes off early (the count may go below zero): the
-// phase cannot complete before that one arrival. A k/v dim broadcast with stride 0
+// With USE_TMA: the first lane of warp ``part`` issues one operand's bulk tensor copies (0: K, 1: V, 2: the x
+// slice), TMA_BOX_COLS columns at a time (keys and rows past the tensor's end arrive as zeros), so that no warp
+// carries the whole issue (every warp waits for the slowest at the step's barrier); warp 0's also arms the stage's
+// barrier with all the bytes to come. A copy that lands before the barrier is armed takes its bytes off early (the
+// count may go below zero): the phase cannot complete before that one arrival. A k/v dim broadcast with stride 0
 // (one key head for all query heads, one batch for all) has size 1 in its map: its coordinate stays 0.
 FN_INLINE void load_step_tma(const Params& p, const TmaMaps& maps, const StepCursor& c, int stage, u16* k_stages,
                              u16* v_stages, u16* x_slots, u32 bar, int part) {
@@ -1159,14 +1155,9 @@ FN_INLINE void load_step_tma(const Params& p, const TmaMaps& maps, const StepCur
 FN_INLINE void load_step(const Params& p, const TmaMaps& maps, const StepCursor& c, int stage, u16* k_stages,
                          u16* v_stages, u16* x_slots, u8* affine_slots, u32 bars, int tid) {
   if constexpr (USE_TMA) {
-    const u32 bar = bars + stage * 8;
-    if constexpr (COPY_WARPS == 1) {  // parts as constants: each call folds to its own copies
-      if (tid == 0)
-        for (int part = 0; part < 3; ++part) load_step_tma(p, maps, c, stage, k_stages, v_stages, x_slots, bar, part);
-    } else if (tid % 32 == 0 && tid < 32 * COPY_WARPS) {
-      load_step_tma(p, maps, c, stage, k_stages, v_stages, x_slots, bar, tid / 32);
-    }
-    if (c.tile == first_tile(c))  // by the last warp's threads: the copying warps' first lanes are busy above
+    if (tid % 32 == 0 && tid < 96) load_step_tma(p, maps, c, stage, k_stages, v_stages, x_slots, bars + stage * 8,
+                                                 tid / 32);
+    if (c.tile == first_tile(c))  // by the last warp's threads: warps 0-2's first lanes are busy above
       load_affine_slot(p, c.head, affine_slots + x_slot(c, stage) * AFFINE_SLOT_BYTES, THREADS - 1 - tid);
     return;
   }
