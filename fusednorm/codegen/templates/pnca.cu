@@ -21,11 +21,11 @@
 // holds K and V in the 128-byte-swizzle layout wgmma reads instead of padded rows. No K/V fragments pass through
 // registers; the row sums of P come from P times a block of ones: 8 more columns of the P V wgmma (ROWSUM_IN_PV,
 // d = 64), or a third, narrow wgmma.
-// With USE_TMA (the sm_90 wgmma tiles, and d = 40's few-key tile: see DENSE_ROWS) one thread fills a stage with
-// bulk tensor copies (K and V, and on a head's first stage its x slice when needed, through the tensor maps in
-// TmaMaps) that complete on the stage's mbarrier, instead of every thread issuing 16-byte copies: the x slice then
-// lies in the same layout as K and V (see x_elem_offset); and each warp's y rows, staged there, leave by one bulk
-// tensor store.
+// With USE_TMA (the sm_90 wgmma tiles, and d = 40's few-key tile: see DENSE_ROWS) the first lanes of warps 0-2
+// fill a stage with bulk tensor copies (K and V, and on a head's first stage its x slice when needed, through the
+// tensor maps in TmaMaps) that complete on the stage's mbarrier, instead of every thread issuing 16-byte copies:
+// the x slice then lies in the same layout as K and V (see x_elem_offset); and each warp's y rows, staged there,
+// leave by one bulk tensor store.
 // USE_TMA without USE_WGMMA (DENSE_ROWS: sm_90, head dims of an odd number of 16-byte chunks, i.e. d = 40) fills
 // the mma.sync tiles the same way: the copies write rows back to back (80 bytes at d = 40), which an ldmatrix reads
 // without bank conflicts because 5 chunks per row put any 8 consecutive rows on distinct banks. With d = 40 the last
