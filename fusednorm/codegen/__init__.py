@@ -358,7 +358,7 @@ def _tma_maps(tile, x: torch.Tensor, k: torch.Tensor, v: torch.Tensor, y: torch.
     """TmaMaps for a tile whose stages are bulk copies: x (contiguous) as [B, Lq, D] in boxes of w columns by the
     tile's rows, k and v as strided [B, H, Lk, d] in boxes of w columns by a stage's keys, y (contiguous, D or the
     stage's o columns) in boxes of w columns by a warp's rows (dims innermost first); w = 64 swizzled for the
-    wgmma tiles, else the head dim unpadded (templates/pnca.cu: DENSE_ROWS). Each map stays in tensormap's own
+    wgmma tiles, else the head dim unpadded (templates/pnca/layout.cu: DENSE_ROWS). Each map stays in tensormap's own
     cache, so a call whose pointers are new encodes only the maps whose tensor moved."""
     B, Lq, D = x.shape
     cols = y.shape[2]

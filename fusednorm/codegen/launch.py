@@ -14,7 +14,7 @@ import torch
 from .cache import CompiledKernel
 from .spec import KernelSpec
 
-# The kernel's first argument, ``struct Params`` in templates/pnca.cu: 14 pointers, 11 int64 strides, 12 int32
+# The kernel's first argument, ``struct Params`` in templates/pnca/layout.cu: 14 pointers, 11 int64 strides, 12 int32
 # sizes, 2 floats. The template static_asserts the same size.
 PARAMS = struct.Struct("<14Q11q12i2f")
 POINTERS = 14

@@ -7,7 +7,17 @@ from pathlib import Path
 from .spec import KernelSpec
 
 TEMPLATE_DIR = Path(__file__).parent / "templates"
-TEMPLATES = ("prelude.cu", "pnca.cu")
+# The source of every kernel, in this order (each part uses only what the parts above it define):
+TEMPLATES = (
+    "prelude.cu",              # 16-bit conversions, tensor-core and async-copy instructions as inline PTX
+    "pnca/layout.cu",          # what the kernel does, its arguments, constants and shared-memory carve-up
+    "pnca/statistics.cu",      # step 1: the rows' mean and rstd over the full model dim
+    "pnca/q_fragments.cu",     # step 2: one head's Q = norm(x slice), as mma A fragments
+    "pnca/stage_loads.cu",     # the 16-byte copies that fill a pipeline stage
+    "pnca/attend.cu",          # step 3: online-softmax attention over one K/V tile
+    "pnca/epilogue.cu",        # step 4: y = x + o (the key split and the chunk merge included)
+    "pnca/kernel.cu",          # the step sequence, the pipeline along it, and the kernel
+)
 
 
 @lru_cache(maxsize=None)

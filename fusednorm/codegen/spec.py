@@ -240,7 +240,7 @@ class KernelSpec:
         return replace(self, tile=tile)
 
     def smem_bytes(self) -> int:
-        """Dynamic shared memory per CTA; mirrors the carve-up at the top of templates/pnca.cu."""
+        """Dynamic shared memory per CTA; mirrors the carve-up in templates/pnca/layout.cu."""
         t = self.tile
         ones = 0 if not t.wgmma else t.kv_rows * 128 if self.rowsum_in_pv else 1024  # the B of the row sums
         return self._smem_bytes(ones)

@@ -3,7 +3,7 @@
     compute-sanitizer --tool memcheck  python tests/gpu/sanitize_kernels.py
     compute-sanitizer --tool racecheck python tests/gpu/sanitize_kernels.py
 
-Covers every tile role (short / base / long / few_keys) of templates/pnca.cu, the padded head dim (40), the largest
+Covers every tile role (short / base / long / few_keys) of templates/pnca/, the padded head dim (40), the largest
 (256), a bool and an additive mask, ragged lengths, rows whose mean is large against their spread (the exact
 statistics pass), one SM's worth of CTAs (several items each) and keys split between CTAs (decode at batch 1),
 so every code path of the template runs once;
