@@ -13,25 +13,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import struct
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from fusednorm.codegen.cache import MAGIC  # noqa: E402
+from fusednorm.codegen.nvrtc import elf_sections  # noqa: E402
+
 SOURCE_ONLY = ("line", "debug", ".symtab", ".strtab", ".shstrtab")
-
-
-def elf_sections(blob: bytes) -> dict[str, bytes]:
-    """Section name -> contents of a 64-bit little-endian ELF (a cubin); NOBITS sections map to b""."""
-    shoff, = struct.unpack_from("<Q", blob, 0x28)
-    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", blob, 0x3A)
-    headers = [struct.unpack_from("<IIQQQQ", blob, shoff + i * shentsize) for i in range(shnum)]
-    names_at = headers[shstrndx][4]
-    out = {}
-    for name_off, kind, _flags, _addr, offset, size in headers:
-        start = names_at + name_off
-        name = blob[start:blob.index(b"\0", start)].decode()
-        out[name] = b"" if kind == 8 else blob[offset:offset + size]
-    return out
 
 
 def code_sections(cubin: bytes) -> dict[str, bytes]:
@@ -42,7 +32,10 @@ def cache_cubins(folder: Path) -> dict[str, bytes]:
     """Key -> cubin of every entry of a kernel cache folder (layout: fusednorm/codegen/cache.py)."""
     out = {}
     for path in folder.glob("*.fnk"):
-        _magic, header, cubin = path.read_bytes().split(b"\n", 2)
+        data = path.read_bytes()
+        if not data.startswith(MAGIC):
+            raise SystemExit(f"{path}: not a fusednorm kernel entry")
+        header, cubin = data[len(MAGIC):].split(b"\n", 1)
         out[json.loads(header)["key"]] = cubin
     return out
 

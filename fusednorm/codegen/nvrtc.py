@@ -121,7 +121,7 @@ _EIATTR_FRAME_SIZE, _EIATTR_REGCOUNT = 0x11, 0x2F
 def usage_from_cubin(cubin: bytes, kernel_name: str) -> ResourceUsage:
     """Registers and stack frame of ``kernel_name`` as its cubin's .nv.info section records them (spill bytes are
     not recorded there: None)."""
-    sections = _elf_sections(cubin)
+    sections = elf_sections(cubin)
     symtab = sections.get(".symtab")
     if symtab is None or ".nv.info" not in sections:
         raise NvrtcError(f"fusednorm: the cubin of {kernel_name} has no .symtab or .nv.info section")
@@ -148,7 +148,7 @@ def usage_from_cubin(cubin: bytes, kernel_name: str) -> ResourceUsage:
                          stack_frame=found.get(_EIATTR_FRAME_SIZE, 0), static_smem=0)
 
 
-def _elf_sections(elf: bytes) -> dict[str, bytes]:
+def elf_sections(elf: bytes) -> dict[str, bytes]:
     """Name -> contents of an ELF64 (little-endian) file's sections."""
     shoff = struct.unpack_from("<Q", elf, 0x28)[0]
     entsize, count, names_at = struct.unpack_from("<HHH", elf, 0x3A)
