@@ -42,11 +42,10 @@ FN_INLINE void cursor_advance(const Params& p, StepCursor& c, int key_tiles) {
 // The x-slice slot of a head: its first step's stage when every head is one step, else heads taken in turn.
 FN_INLINE int x_slot(const StepCursor& c, int stage) { return ONE_TILE ? stage : c.head_seq % STAGES; }
 
-// With USE_TMA: the first lane of warp ``part`` issues one operand's bulk tensor copies (0: K, 1: V, 2: the x
-// slice), TMA_BOX_COLS columns at a time (keys and rows past the tensor's end arrive as zeros), so that no warp
-// carries the whole issue (every warp waits for the slowest at the step's barrier); warp 0's also arms the stage's
-// barrier with all the bytes to come. A copy that lands before the barrier is armed takes its bytes off early (the
-// count may go below zero): the phase cannot complete before that one arrival. A k/v dim broadcast with stride 0
+// With USE_TMA: one operand's bulk tensor copies (part 0: K, 1: V, 2: the x slice), TMA_BOX_COLS columns at a time
+// (keys and rows past the tensor's end arrive as zeros); part 0 also arms the stage's barrier with all the bytes to
+// come. A copy that lands before the barrier is armed takes its bytes off early (the count may go below zero): the
+// phase cannot complete before that one arrival. A k/v dim broadcast with stride 0
 // (one key head for all query heads, one batch for all) has size 1 in its map: its coordinate stays 0.
 FN_INLINE void load_step_tma(const Params& p, const TmaMaps& maps, const StepCursor& c, int stage, u16* k_stages,
                              u16* v_stages, u16* x_slots, u32 bar, int part) {
@@ -82,9 +81,14 @@ FN_INLINE void load_step_tma(const Params& p, const TmaMaps& maps, const StepCur
 FN_INLINE void load_step(const Params& p, const TmaMaps& maps, const StepCursor& c, int stage, u16* k_stages,
                          u16* v_stages, u16* x_slots, u8* affine_slots, u32 bars, int tid) {
   if constexpr (USE_TMA) {
-    if (tid % 32 == 0 && tid < 96) load_step_tma(p, maps, c, stage, k_stages, v_stages, x_slots, bars + stage * 8,
-                                                 tid / 32);
-    if (c.tile == first_tile(c))  // by the last warp's threads: warps 0-2's first lanes are busy above
+    const u32 bar = bars + stage * 8;
+    if constexpr (COPY_WARPS == 1) {  // parts as constants: each call folds to its own copies
+      if (tid == 0)
+        for (int part = 0; part < 3; ++part) load_step_tma(p, maps, c, stage, k_stages, v_stages, x_slots, bar, part);
+    } else if (tid % 32 == 0 && tid < 32 * COPY_WARPS) {
+      load_step_tma(p, maps, c, stage, k_stages, v_stages, x_slots, bar, tid / 32);
+    }
+    if (c.tile == first_tile(c))  // by the last warp's threads: the copying warps' first lanes are busy above
       load_affine_slot(p, c.head, affine_slots + x_slot(c, stage) * AFFINE_SLOT_BYTES, THREADS - 1 - tid);
     return;
   }

@@ -21,11 +21,11 @@
 // holds K and V in the 128-byte-swizzle layout wgmma reads instead of padded rows. No K/V fragments pass through
 // registers; the row sums of P come from P times a block of ones: 8 more columns of the P V wgmma (ROWSUM_IN_PV,
 // d = 64), or a third, narrow wgmma.
-// With USE_TMA (the sm_90 wgmma tiles, and d = 40's few-key tile: see DENSE_ROWS) the first lanes of warps 0-2
-// fill a stage with bulk tensor copies (K and V, and on a head's first stage its x slice when needed, through the
-// tensor maps in TmaMaps) that complete on the stage's mbarrier, instead of every thread issuing 16-byte copies:
-// the x slice then lies in the same layout as K and V (see x_elem_offset); and each warp's y rows, staged there,
-// leave by one bulk tensor store.
+// With USE_TMA (the sm_90 wgmma tiles, and d = 40's few-key tile: see DENSE_ROWS) one thread, or in the dense tile
+// the first lanes of warps 0-2 (COPY_WARPS), fill a stage with bulk tensor copies (K and V, and on a head's first
+// stage its x slice when needed, through the tensor maps in TmaMaps) that complete on the stage's mbarrier, instead
+// of every thread issuing 16-byte copies: the x slice then lies in the same layout as K and V (see x_elem_offset);
+// and each warp's y rows, staged there, leave by one bulk tensor store.
 // USE_TMA without USE_WGMMA (DENSE_ROWS: sm_90, head dims of an odd number of 16-byte chunks, i.e. d = 40) fills
 // the mma.sync tiles the same way: the copies write rows back to back (80 bytes at d = 40), which an ldmatrix reads
 // without bank conflicts because 5 chunks per row put any 8 consecutive rows on distinct banks. With d = 40 the last
@@ -82,6 +82,10 @@ constexpr int ROW_STRIDE = HEAD_DIM_PAD + 8;             // +16 bytes: the 8 row
 constexpr int CHUNKS = HEAD_DIM / 8;                     // 16-byte chunks per head row
 constexpr bool LAST_KSTEP_K8 = HEAD_DIM % 16 != 0;       // QK^T's last k-step covers 8 columns (m16n8k8)
 constexpr bool DENSE_ROWS = USE_TMA && !USE_WGMMA;       // K/V stages and x slots: unpadded rows, as bulk-copied
+// Warps whose first lanes issue a stage's bulk copies (K, V, the x slice): three for the dense-row tile, whose
+// mma.sync warps each carry a long chain (the tile was timed with the split: SD 1.5 -16 %); one elsewhere (the
+// wgmma tiles with three measured Lk 2048 +3 %).
+constexpr int COPY_WARPS = DENSE_ROWS ? 3 : 1;
 constexpr bool NEEDS_X_SLICE = !Q_FROM_QRAW || !WRITE_O;  // for the norm of Q, or for the residual
 constexpr int ROWS_PER_WARP = 16 * M_TILES;
 constexpr int BLOCK_M = KEY_SPLIT > 1 ? ROWS_PER_WARP : WARPS * ROWS_PER_WARP;
@@ -147,7 +151,8 @@ constexpr int COMBINE_K_WARPS = (WARPS + 1) / 2;
 static_assert(KEY_SPLIT == 1 || COMBINE_K_WARPS * 16 * HEAD_DIM * 4 <= KV_TILE_ELEMS * 2,
               "the key split's merge fits one K tile and one V tile");
 constexpr int TMA_ALIGN = DENSE_ROWS ? 128 : 1024;  // bulk copies' shared addresses (swizzled: the pattern's period)
-static_assert(!USE_TMA || WARPS >= 4, "bulk copies: warps 0-2 issue them, the last warp copies the norm parameters");
+static_assert(!USE_TMA || WARPS > COPY_WARPS, "bulk copies: warps below COPY_WARPS issue them, the last warp copies "
+              "the norm parameters");
 static_assert(!USE_TMA || (OFF_X % TMA_ALIGN == 0 && X_TILE_ELEMS * 2 % TMA_ALIGN == 0 && OFF_BARS % 8 == 0 &&
                            KV_TILE_ELEMS * 2 % TMA_ALIGN == 0 && OFF_V % TMA_ALIGN == 0 &&
                            ROWS_PER_WARP * X_ROW_ELEMS * 2 % (DENSE_ROWS ? 128 : 1) == 0),
