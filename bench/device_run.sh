@@ -33,7 +33,10 @@ for step in $STEPS; do
         echo "prebuilt kernels: $(ls /tmp/fnk/*.fnk | wc -l), NVRTC here: $(python3 -c 'from fusednorm.codegen import nvrtc; print(nvrtc.nvrtc_version())')"
       fi
       env $cache_env timeout ${GPU_TIMEOUT:-300} python3 -m pytest tests/gpu -q -x -p no:cacheprovider ${GPU_TESTS:-} 2>&1 | tee "$OUT/gpu_tests.log" | tail -4
-      [ -n "$cache_env" ] && echo "kernels compiled on the device: $(find /tmp/fnk -name '*.fnk' -newer /tmp/fnk.unpacked | wc -l)" ;;
+      if [ -n "$cache_env" ]; then  # their keys name what bench/prebuild_kernels.py still misses
+        find /tmp/fnk -name '*.fnk' -newer /tmp/fnk.unpacked -printf '%f\n' | sort > "$OUT/compiled_on_device.txt"
+        echo "kernels compiled on the device: $(wc -l < "$OUT/compiled_on_device.txt") (keys in compiled_on_device.txt)"
+      fi ;;
     ablate) timeout ${ABLATE_TIMEOUT:-200} python3 bench/ablate_kernel.py ${ABLATE_CUTS:+--cuts $ABLATE_CUTS} ${ABLATE_SHAPES:+--shapes $ABLATE_SHAPES} ${ABLATE_ALL:+--all-roles} ${ABLATE_VARIANTS:+--variants $ABLATE_VARIANTS} 2>&1 | tee -a "$OUT/ablate.log" | tail -12 ;;
     ab) for form in ${AB_FORMS:-noproj proj}; do  # the tree's candidates, then a base tree's (ab_base/: git archive
         # main fusednorm bench | tar -x -C ab_base, carried untracked) on the same shapes, in one process each

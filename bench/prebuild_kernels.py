@@ -61,11 +61,14 @@ def main():
     spilling = [key for key, _, spills in built if spills]
     print(f"{len(built)} kernels for sm_{args.arch} in {time.time() - t0:.0f} s ({cached} were cached already)"
           + (f"; spilling: {spilling}" if spilling else ""), flush=True)
-    if args.pack:
+    if args.pack:  # written beside it, then renamed: a file that exists is whole (packing takes minutes)
         entries = sorted(out.glob("*.fnk"))
-        with tarfile.open(args.pack, "w:xz", preset=6) as tar:
+        print(f"packing {len(entries)} entries into {args.pack} ...", flush=True)
+        partial = Path(f"{args.pack}.partial")
+        with tarfile.open(partial, "w:xz", preset=6) as tar:
             for path in entries:
                 tar.add(path, arcname=path.name)
+        os.replace(partial, args.pack)
         size = sum(path.stat().st_size for path in entries)
         print(f"{args.pack}: {len(entries)} entries, {size / 2**20:.0f} MiB -> "
               f"{Path(args.pack).stat().st_size / 2**20:.1f} MiB", flush=True)

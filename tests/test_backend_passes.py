@@ -93,7 +93,8 @@ def test_canonicalize_keeps_a_contiguous_before_a_convolution():
     expected = conv_after_permute(x, w)
     passes.canonicalize.run(gm, context())
     gm.recompile()
-    assert torch.equal(gm(x, w)[0], expected)
+    # linear now reads y through its permuted strides: the BLAS may sum in another order, so close, not equal
+    torch.testing.assert_close(gm(x, w)[0], expected)
     kept = [n for n in gm.graph.nodes if n.op == "call_method" and n.target == "contiguous"]
     assert len(kept) == 1 and [u.target for u in kept[0].users] == [torch.conv2d]
 

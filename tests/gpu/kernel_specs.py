@@ -4,12 +4,16 @@ there)."""
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 
 from fusednorm.codegen.spec import HEAD_DIMS, TILE_ROLES, KernelSpec, tile_for
 
 DTYPES = ("bf16", "fp16")
 NORMS = ("layer_affine", "layer_plain", "rms")
 MASKS = ("none", "bool", "add")
+# test_bulk_copy_stages_match_the_16_byte_copies_bit_for_bit: (head dim, mask) per role, d = 40 on few_keys only
+TWIN_CASES = ((64, "none"), (64, "add"), (128, "bool"))
+FEW_KEYS_TWIN_CASES = ((40, "none"), (40, "bool"))
 
 
 def tile_sets(arch: int) -> list[str]:
@@ -24,13 +28,19 @@ def tiles_of(tile_set: str):
     return tile_for
 
 
-def family_specs(arch, dtype, d, norm_variant, mask, mask_f32=False, check=False, tiles=tile_for):
-    """One kernel per tile role for these inputs (what one call may pick from)."""
+def copy_twin_tiles(role, d, arch=80, stage=False):
+    """A tile with its bulk tensor copies (TMA) swapped for the 16-byte copies, the same math otherwise."""
+    return replace(tile_for(role, d, arch, stage), tma=False)
+
+
+def family_specs(arch, dtype, d, norm_variant, mask, mask_f32=False, check=False, tiles=tile_for, affine_f32=False):
+    """One kernel per tile role for these inputs (what one call may pick from). norm_variant "layer_gamma" is a
+    LayerNorm without beta."""
     norm = "rms" if norm_variant == "rms" else "layer"
-    has_g = norm_variant in ("layer_affine", "rms")
+    has_g = norm_variant in ("layer_affine", "layer_gamma", "rms")
     has_b = norm_variant == "layer_affine"
     kind = "none" if mask == "none" else ("bool" if mask == "bool" else "add")
-    return [KernelSpec(dtype, d, norm, has_g, has_b, False, kind, mask_f32, tiles(r, d, arch), arch, check)
+    return [KernelSpec(dtype, d, norm, has_g, has_b, affine_f32, kind, mask_f32, tiles(r, d, arch), arch, check)
             for r in TILE_ROLES]
 
 
@@ -41,6 +51,11 @@ def kernel_test_specs(arch: int) -> list[KernelSpec]:
         specs += family_specs(arch, dtype, d, norm, mask, tiles=tiles_of(tile_set))
     specs += family_specs(arch, "bf16", 64, "layer_affine", "none", check=True)
     specs += family_specs(arch, "bf16", 64, "layer_affine", "add", mask_f32=True)
+    specs += family_specs(arch, "bf16", 64, "layer_affine", "none", affine_f32=True)  # fp32 norm parameters
+    specs += family_specs(arch, "bf16", 64, "layer_gamma", "none")  # test_backend_gpu's dispatcher test
+    if arch == 90:  # the bulk-copy tiles' 16-byte-copy twins (a tile without TMA is its own twin: one key)
+        for d, mask in TWIN_CASES + FEW_KEYS_TWIN_CASES:
+            specs += family_specs(arch, "bf16", d, "layer_affine", mask, tiles=copy_twin_tiles)
     return list({s.key: s for s in specs}.values())
 
 

@@ -23,7 +23,8 @@ from fusednorm.codegen import cache, launch, select  # noqa: E402
 from fusednorm.codegen.spec import (HEAD_DIMS, TILE_ROLES, WGMMA_HEAD_DIMS, WGMMA_ROLES, KernelSpec,  # noqa: E402
                                     tile_for)
 from fusednorm.reference import reference_pre_norm_cross_attn  # noqa: E402
-from kernel_specs import MASKS, NORMS, family_specs, kernel_test_specs, tile_sets, tiles_of  # noqa: E402
+from kernel_specs import (FEW_KEYS_TWIN_CASES, MASKS, NORMS, TWIN_CASES, copy_twin_tiles, family_specs,  # noqa: E402
+                          kernel_test_specs, tile_sets, tiles_of)
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 Q_LENS = (1, 3, 127, 129)
@@ -391,19 +392,16 @@ def test_bulk_copy_stages_match_the_16_byte_copies_bit_for_bit(role, monkeypatch
     exactly what their 16-byte-copy twins give (same math in the same order): odd lengths, several batches (rows
     and keys past the ends must arrive as zeros, not as the next batch's or head's), k/v as transposed views, each
     mask kind, the head dims the tiles take."""
-    from dataclasses import replace
-
     monkeypatch.setattr(select, "force_role", role)
     gen = torch.Generator(device=DEV).manual_seed(int.from_bytes(os.urandom(4), "little"))
-    copies = lambda role, hd, arch=80, stage=False: replace(tile_for(role, hd, arch, stage), tma=False)  # noqa: E731
     lengths = ((3, 129, 77), (2, 1, 1), (2, 300, 80), (1, 127, 33))
     if role != "few_keys":  # several key tiles per head, the last one partial
         lengths += ((2, 70, 300), (1, 200, 1500))
-    dims = ((64, "none"), (64, "add"), (128, "bool")) + (((40, "none"), (40, "bool")) if role == "few_keys" else ())
+    dims = TWIN_CASES + (FEW_KEYS_TWIN_CASES if role == "few_keys" else ())
     for d, mask in dims:
         cases = [make_inputs(torch.bfloat16, B, Lq, Lk, 4, d, "layer_affine", mask, gen) for B, Lq, Lk in lengths]
         outs = {}
-        for name, tiles in (("tma", tile_for), ("copies", copies)):
+        for name, tiles in (("tma", tile_for), ("copies", copy_twin_tiles)):
             monkeypatch.setattr(codegen, "tile_for", tiles)
             codegen.forget_loaded_kernels()
             outs[name] = [fused(*c, "layer") for c in cases]
