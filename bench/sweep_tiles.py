@@ -53,7 +53,11 @@ CANDIDATES = {  # role -> candidate tiles, each with the __launch_bounds__ minim
                  (T(4, 1, 80, 1, 2, True, **WGT), 3), (T(4, 1, 80, 1, 3, True, **WGT), 2),
                  (T(16, 1, 80, 1, 2, True, **WGT), 1),
                  # sm_90, d = 40: stages of unpadded rows filled by bulk copies, mma.sync (spec.dense_rows_fit)
-                 (T(8, 1, 80, 1, 2, True, tma=True), 2), (T(8, 1, 80, 1, 3, True, tma=True), 2)],
+                 (T(8, 1, 80, 1, 2, True, tma=True), 2), (T(8, 1, 80, 1, 3, True, tma=True), 2),
+                 # the same with 64-row items at 4 CTAs per SM (SD 1.5: 512 items for 528 slots; as the default it
+                 # lost 18 %, PERF.md twenty-first run), or 4 warps of two m-tiles each (twice the independent mma
+                 # work per warp, 162 registers; not yet timed)
+                 (T(4, 1, 80, 1, 2, True, tma=True), 4), (T(4, 2, 80, 1, 2, True, tma=True), 2)],
     "short": [(T(4, 1, 16, 4, 4), 1), (T(4, 1, 32, 4, 4), 1), (T(4, 1, 16, 4, 6), 1), (T(8, 1, 16, 8, 4), 1),
               (T(4, 1, 32, 4, 3), 1), (T(8, 1, 16, 8, 3), 1),
               # swizzled stages, merged in a stage (no buffer of its own): 77 KB at 4 x 64 keys, 108 KB at 3 x 128
