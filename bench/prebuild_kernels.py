@@ -42,7 +42,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--arch", type=int, default=90)
     p.add_argument("--out", default="/tmp/fnk", help="the kernel cache folder to fill")
-    p.add_argument("--pack", default=None, help="also write the folder's entries into this .tar.xz")
+    p.add_argument("--pack", default=None, help="also write these kernels' entries into this .tar.xz")
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 2)
     p.add_argument("--expect-nvrtc", default="13.0", help="warn when the NVRTC loaded here is another version")
     args = p.parse_args()
@@ -62,7 +62,7 @@ def main():
     print(f"{len(built)} kernels for sm_{args.arch} in {time.time() - t0:.0f} s ({cached} were cached already)"
           + (f"; spilling: {spilling}" if spilling else ""), flush=True)
     if args.pack:  # written beside it, then renamed: a file that exists is whole (packing takes minutes)
-        entries = sorted(out.glob("*.fnk"))
+        entries = sorted(cache.entry_path(s, out) for s in specs)  # not the folder's other entries, if any
         print(f"packing {len(entries)} entries into {args.pack} ...", flush=True)
         partial = Path(f"{args.pack}.partial")
         with tarfile.open(partial, "w:xz", preset=6) as tar:
