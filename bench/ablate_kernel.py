@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ["FUSEDNORM_CACHE_DIR"] = tempfile.mkdtemp(prefix="fusednorm_ablate_")  # cut kernels stay out of the cache
 import fusednorm.codegen as codegen  # noqa: E402
 from bench_block import SHAPES, NoProjForm, graph_time_us, input_sets_for  # noqa: E402
-from fusednorm.codegen import cache, render as render_mod  # noqa: E402
+from fusednorm.codegen import cache, render as render_mod, select  # noqa: E402
 
 CUTS = {  # name -> (what it removes, [(old, new), ...])
     "baseline": ("nothing", []),
@@ -131,6 +131,11 @@ _Y_EVICT_FIRST = [  # y's bulk stores evict-first (its 16-byte stores already ar
      "tma_store_3d_hint(&maps.y, smem_addr(x_tile + cb * BLOCK_M * TMA_BOX_COLS), col0 + cb * TMA_BOX_COLS, row0, b, "
      "l2_evict_first());")]
 
+def _stat_groups(n):  # the columns are summed in the same order whatever the groups: the same bits
+    return [("constexpr int STAT_GROUPS = MIN_CTAS_PER_SM > 1 ? 4 : 8;",
+             f"constexpr int STAT_GROUPS = MIN_CTAS_PER_SM > 1 ? {n} : 8;")]
+
+
 VARIANTS = {  # name -> (what it changes, [(old, new), ...]); results must stay bit-identical
     "stats_keep": ("the statistics pass's x loads evict-last in L2", _stats_keep(1.0)),
     "stats_keep_half": ("the same for half of the lines (createpolicy fraction 0.5)", _stats_keep(0.5)),
@@ -139,6 +144,11 @@ VARIANTS = {  # name -> (what it changes, [(old, new), ...]); results must stay 
     "stats_keep_slice_last": ("both of the above", _stats_keep(1.0) + [_TMA_HELPERS] + _SLICE_LAST_USE),
     "all_l2_hints": ("both, and the bulk stores of y evict-first",
                      _stats_keep(1.0) + [_TMA_HELPERS] + _SLICE_LAST_USE + _Y_EVICT_FIRST),
+    "slice_last_y_first": ("the x slice copies and y's bulk stores evict-first",
+                           [_HINT_HELPERS, _TMA_HELPERS] + _SLICE_LAST_USE + _Y_EVICT_FIRST),
+    "stat_groups_5": ("the statistics pass with 5 loads of 16 bytes per row and lane in flight, not 4",
+                      _stat_groups(5)),
+    "stat_groups_6": ("the same with 6 (the most that spills nothing at 128 registers)", _stat_groups(6)),
 }
 
 
@@ -166,7 +176,9 @@ def main():
     ap.add_argument("--variants", nargs="?", const=",".join(VARIANTS), default=None,
                     help="time these result-keeping variants (none named, or 'all': every one) instead of the cuts")
     ap.add_argument("--all-roles", action="store_true", help="cut every role's kernel, not only the one-tile ones")
+    ap.add_argument("--heads-per-item", type=int, default=None, help="pin G, the heads of one work item")
     args = ap.parse_args()
+    select.force_heads_per_item = args.heads_per_item
     form = NoProjForm()
     gen = torch.Generator(device="cuda").manual_seed(0)
     original = render_mod.render

@@ -1,10 +1,11 @@
 """Run the generated kernel on one benchmark shape a few times, for Nsight Compute or compute-sanitizer.
 
     ncu --clock-control none --kernel-name regex:pnca_ --launch-skip 2 --launch-count 1 \
-        --section SpeedOfLight --section WarpStateStats python bench/profile_kernel.py seed [role]
+        --section SpeedOfLight --section WarpStateStats python bench/profile_kernel.py seed [role] [g=G]
 
 With ``eager`` in place of a role it runs eager PyTorch's block instead, so that the same profile of torch's own
-attention kernel (``--kernel-name regex:"flash|fmha"``) can be read beside the generated one's.
+attention kernel (``--kernel-name regex:"flash|fmha"``) can be read beside the generated one's. ``g=G`` pins the
+heads of one work item (``select.force_heads_per_item``).
 """
 from __future__ import annotations
 
@@ -20,10 +21,13 @@ from fusednorm.codegen import select  # noqa: E402
 
 
 def main(argv):
-    name = argv[0]
-    eager = len(argv) > 1 and argv[1] == "eager"
-    if len(argv) > 1 and not eager:
-        select.force_role = argv[1]
+    name, rest = argv[0], [a for a in argv[1:] if not a.startswith("g=")]
+    for a in argv[1:]:
+        if a.startswith("g="):
+            select.force_heads_per_item = int(a[2:])
+    eager = bool(rest) and rest[0] == "eager"
+    if rest and not eager:
+        select.force_role = rest[0]
     gen = torch.Generator(device="cuda").manual_seed(0)
     form = NoProjForm()
     t = form.make_inputs(SHAPES[name], torch.bfloat16, gen)

@@ -239,7 +239,9 @@ def test_every_ablation_cut_applies_to_each_kernel(arch, role, d, monkeypatch):
             compile_to_cubin(cut, spec.key, spec.arch)
     for name, (_, edits) in ab.VARIANTS.items():  # what --variants times must build, and change the source
         variant = ab.edited_render(lambda _: source, name, edits, all_roles=True)(spec)
-        assert variant != source and variant.count("cache_hint") > source.count("cache_hint"), name
+        assert variant != source, name
+        if any("cache_hint" in new for _, new in edits):  # an L2-policy variant: its loads or stores carry the hint
+            assert variant.count("cache_hint") > source.count("cache_hint"), name
         _, usage, _ = compile_to_cubin(variant, spec.key, spec.arch)
         assert usage.spill_stores == usage.spill_loads == 0, (name, usage)
 
