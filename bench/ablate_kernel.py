@@ -131,6 +131,7 @@ _Y_EVICT_FIRST = [  # y's bulk stores evict-first (its 16-byte stores already ar
      "tma_store_3d_hint(&maps.y, smem_addr(x_tile + cb * BLOCK_M * TMA_BOX_COLS), col0 + cb * TMA_BOX_COLS, row0, b, "
      "l2_evict_first());")]
 
+
 def _stat_groups(n):  # the columns are summed in the same order whatever the groups: the same bits
     return [("constexpr int STAT_GROUPS = MIN_CTAS_PER_SM > 1 ? 4 : 8;",
              f"constexpr int STAT_GROUPS = MIN_CTAS_PER_SM > 1 ? {n} : 8;")]
