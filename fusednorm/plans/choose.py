@@ -6,10 +6,10 @@ Options: ``plan="never"`` (the default without option cudagraphs: blocks with pr
 (device, dtype, shapes, variant) the plan is timed against the compiler (Inductor) on the same block with random
 inputs of those shapes (the block as the model wrote it, its own nodes, against what the rewrite puts in their
 place, both compiled by Inductor: passes/block_graph.py; the op against the canonical block of ``unfused_block``
-where the nodes cannot be copied out), and taken only when it is faster on the GPU *and* costs no more host time
-per call than the compiler's block: inside a compiled model the compiler's kernels of the block are launched from
-one generated wrapper, while the plan is an extern op call whose Python and cuBLAS launches cost host time of
-their own (168 µs per call for T5-base's block on the H200's host, 337 on an H100's). A model that is host-bound
+where the nodes cannot be copied out), and taken only when it is faster on the GPU *and* costs clearly less host
+time per call than the compiler's block (``HOST_MARGIN``): inside a compiled model the compiler's kernels of the
+block are launched from one generated wrapper, while the plan is an extern op call whose Python and cuBLAS
+launches cost host time of their own (168 µs per call for T5-base's block on the H200's host, 337 on an H100's). A model that is host-bound
 pays that in full and gains nothing from the GPU time saved: T5-base at batch 32 took 7.36 ms per call with its
 blocks on the plan against Inductor's 6.21, while its GPU time fell from 5.15 to 4.74 ms (docs/PERF.md §3); an
 SD-1.5 UNet at batch 2 once lost 23 % the same way. GPU times come from CUDA-graph replay, so neither side's host
@@ -51,6 +51,11 @@ RIDGE_FLOP_PER_BYTE = 192.0  # sm_90: the H200's bf16 matmul rate over its copy 
 RIDGES = {90: RIDGE_FLOP_PER_BYTE, 80: 140.0}
 UNMEASURED_RIDGE = 64.0
 MARGIN = 0.97        # the plan must beat the compiler by 3 %: timing noise never flips a block to a slower path
+# Without CUDA graphs the plan must also take at most this share of the compiler's host time per call. Its host path
+# is Python, which a model pays more for than a loop over one block does: T5-base's block timed at 0.91 of the
+# compiler's host time (212.6 against 233.2 µs), and on the plan the host-bound model ran 6.7 % slower per call
+# (7.28 against 6.82 ms; H100, 2026-12-06, docs/PERF.md §3), about 38 µs more per block than the loop said.
+HOST_MARGIN = 0.75
 TIMEOUT_S = 600.0
 
 
@@ -202,13 +207,13 @@ def _measure(tensors, norm, eps, scale, graph=None) -> Timing | str:
 
 def _verdict(t: Timing, what: str = "plan", host_time_counts: bool = True) -> Choice:
     """The fused side must beat the compiler by GPU time; the plan, unless replayed as CUDA graphs, must also cost
-    no more host time per call than the compiler's block (see the module's docstring)."""
+    clearly less host time per call than the compiler's block (HOST_MARGIN; see the module's docstring)."""
     measured = (f"measured {what} {t.fused_us:.1f} µs GPU, {t.fused_host_us:.1f} µs host per call vs compiler "
                 f"{t.compiler_us:.1f} µs GPU, {t.compiler_host_us:.1f} µs host{t.note}")
     if what == "plan" and not host_time_counts:
         measured += "; host time not counted: replayed as CUDA graphs (option cudagraphs)"
     faster = t.fused_us < MARGIN * t.compiler_us
-    more_host = what == "plan" and host_time_counts and t.fused_host_us > t.compiler_host_us
+    more_host = what == "plan" and host_time_counts and t.fused_host_us > HOST_MARGIN * t.compiler_host_us
     if faster and not more_host:
         return Choice(True, f"the {what} ({measured})")
     return Choice(False, f"left to the compiler: {'more host time per call' if faster else 'not faster'} ({measured})")
