@@ -9,12 +9,12 @@ place, both compiled by Inductor: passes/block_graph.py; the op against the cano
 where the nodes cannot be copied out), and taken only when it is faster on the GPU *and* costs clearly less host
 time per call than the compiler's block (``HOST_MARGIN``): inside a compiled model the compiler's kernels of the
 block are launched from one generated wrapper, while the plan is an extern op call whose Python and cuBLAS
-launches cost host time of their own (168 µs per call for T5-base's block on the H200's host, 337 on an H100's). A model that is host-bound
-pays that in full and gains nothing from the GPU time saved: T5-base at batch 32 took 7.36 ms per call with its
-blocks on the plan against Inductor's 6.21, while its GPU time fell from 5.15 to 4.74 ms (docs/PERF.md §3); an
-SD-1.5 UNet at batch 2 once lost 23 % the same way. GPU times come from CUDA-graph replay, so neither side's host
-cost leaks into them. With option ``cudagraphs`` the model replays CUDA graphs, the plan's host cost is paid once
-at capture, and GPU time alone decides (one measurement serves both).
+launches cost host time of their own (168 µs per call for T5-base's block on the H200's host, 337 on an H100's).
+A model that is host-bound pays that in full and gains nothing from the GPU time saved: T5-base at batch 32 took
+7.36 ms per call with its blocks on the plan against Inductor's 6.21, while its GPU time fell from 5.15 to 4.74 ms
+(docs/PERF.md §3); an SD-1.5 UNet at batch 2 once lost 23 % the same way. GPU times come from CUDA-graph replay,
+so neither side's host cost leaks into them. With option ``cudagraphs`` the model replays CUDA graphs, the plan's
+host cost is paid once at capture, and GPU time alone decides (one measurement serves both).
 
 ``kernel="auto"`` (the default for projection-free blocks) takes the generated kernel without measuring where the
 block is memory-bound and big enough to fill the GPU, and measures where it is not. Memory-bound means at most
