@@ -11,9 +11,8 @@ edit both the mma.sync and the warpgroup-mma (sm_90) code, so they cut whichever
     PYTHONPATH=. python bench/ablate_kernel.py --variants [--shapes ...]
 
 Variants are edits that keep the result: each kernel's output must equal the baseline's bit for bit (the run
-stops otherwise; those in TOLERANT, which sum in another order, must stay close), and they are timed over rotating
-input sets, as bench_block.py times the block, because they are about what stays in L2 (the cuts are timed on one
-set).
+stops otherwise), and they are timed over rotating input sets, as bench_block.py times the block, because they are
+about what stays in L2 (the cuts are timed on one set).
 """
 from __future__ import annotations
 
@@ -40,8 +39,7 @@ CUTS = {  # name -> (what it removes, [(old, new), ...])
     "no_x_slice": ("the x-slice copy of each head (Q and the residual read stale x)",
                    [("    if (NEEDS_X_SLICE)\n      load_x_tile(", "    if (false)\n      load_x_tile(")]),
     "no_statistics": ("the row-statistics pass at each item's start",
-                      [("      if (cur.head_in_item == 0 && warp_rows) {  // a new item",
-                        "      if (false) {  // a new item")]),
+                      [("      if (cur.head_in_item == 0) {  // a new item", "      if (false) {  // a new item")]),
     "no_barrier": ("the CTA barrier of each step (warps run unsynchronised)",
                    [("    __syncthreads();  // this step's stage is visible",
                      "    __syncwarp();  // this step's stage is visible")]),
@@ -138,167 +136,7 @@ def _stat_groups(n):  # the columns are summed in the same order whatever the gr
              f"constexpr int STAT_GROUPS = MIN_CTAS_PER_SM > 1 ? {n} : 8;")]
 
 
-# Statistics shared between the items of one row block (twenty-third run, docs/PERF.md §1). Where every item runs at
-# once (items <= grid) and a block of rows is split between head groups, the row statistics are summed once per
-# block: by rows (shared_stats: each CTA sums the rows of its warps w with w % groups == its group, the same code on
-# the same rows, so the same bits) or by columns (shared_column_stats: each CTA sums its group's share of every row's
-# columns, 1/groups of the round trips, the groups' sums added in order: other bits, checked with a tolerance),
-# exchanged through module-global buffers after an arrival counter per row block (reset by the last CTA to leave).
-# Experiments only: they wait on CTAs of the same launch without a bound, and two launches at once share the buffers.
-_SHARED_EXCHANGE = """__device__ int fn_arrive[4096], fn_leave[4096];
-
-FN_INLINE void shared_arrive_and_wait(const Params& p, int rb, int tid) {
-  __syncthreads();
-  if (tid == 0) {
-    __threadfence();
-    atomicAdd(&fn_arrive[rb], 1);
-    while (atomicAdd(&fn_arrive[rb], 0) < p.head_groups) __nanosleep(32);
-    __threadfence();
-  }
-  __syncthreads();
-}
-
-FN_INLINE void shared_leave(const Params& p, int rb, int tid) {
-  if (tid == 0 && atomicAdd(&fn_leave[rb], 1) == p.head_groups - 1) {
-    fn_arrive[rb] = 0;
-    fn_leave[rb] = 0;
-  }
-}
-
-// false, with this warp's statistics summed as main's kernel sums them, where sharing does not apply
-FN_INLINE bool statistics_shared_here(const Params& p, const u16* x_batch, int row0, bool warp_rows, float* row_mean,
-                                      float* row_rstd, float* stat_parts, int warp, int lane) {
-  if (!WRITE_O && KEY_SPLIT == 1 && !KV_CHUNKED && M_TILES == 1 && p.head_groups > 1 && p.head_groups <= 16 &&
-      p.items <= (int)gridDim.x && p.q_len % BLOCK_M == 0 && (long long)p.batch * p.q_len <= (1 << 16) &&
-      p.batch * p.row_blocks <= 4096)
-    return true;
-  if (warp_rows) row_statistics(p, x_batch, nullptr, row0, row_mean, row_rstd, stat_parts, warp, lane);
-  return false;
-}
-"""
-_KERNEL_HEAD = 'extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS_PER_SM)'
-_SHARED_BY_ROWS = (_KERNEL_HEAD, """__device__ float2 fn_shared_stats[1 << 16];
-""" + _SHARED_EXCHANGE + """
-FN_INLINE void shared_or_own_statistics(const Params& p, const StepCursor& cur, int row0, bool warp_rows,
-                                        float* row_mean, float* row_rstd, float* stat_parts, int warp, int lane,
-                                        int tid) {
-  const long long batch_off = (long long)cur.b * p.q_len * p.model_dim;
-  if (!statistics_shared_here(p, p.x + batch_off, row0, warp_rows, row_mean, row_rstd, stat_parts, warp, lane)) return;
-  const int group = cur.head / p.heads_per_item, rb = cur.b * p.row_blocks + cur.row_block;
-  float2* rows = fn_shared_stats + (long long)cur.b * p.q_len + row0;  // this warp's rows
-  if (warp % p.head_groups == group) {
-    row_statistics(p, p.x + batch_off, nullptr, row0, row_mean, row_rstd, stat_parts, warp, lane);
-    if (lane < ROWS_PER_WARP) rows[lane] = make_float2(row_mean[lane], row_rstd[lane]);
-  }
-  shared_arrive_and_wait(p, rb, tid);
-  if (lane < ROWS_PER_WARP) {
-    const float2 s = __ldcg(rows + lane);
-    row_mean[lane] = s.x;
-    row_rstd[lane] = s.y;
-  }
-  __syncwarp();
-  shared_leave(p, rb, tid);
-}
-
-""" + _KERNEL_HEAD)
-_SHARED_BY_COLUMNS = (_KERNEL_HEAD, """__device__ float2 fn_col_parts[16 << 16];
-""" + _SHARED_EXCHANGE + """
-FN_INLINE void row_partials(const Params& p, const u16* x_batch, int row0, int c_begin, int c_end, float& sum_a,
-                            float& ss_a, float& sum_b, float& ss_b, int lane) {
-  const int D = p.model_dim, g = lane >> 2, t = lane & 3;
-  const u32 ones = pack2_elem(1.f, 1.f);
-  const u16* xa = x_batch + (long long)(row0 + g) * D + t * 8;
-  const u16* xb = xa + 8LL * D;
-  float sum[4] = {0.f, 0.f, 0.f, 0.f}, sq_lo[4] = {0.f, 0.f, 0.f, 0.f}, sq_hi[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll 1
-  for (int c0 = c_begin; c0 < c_end; c0 += STAT_GROUPS * 32) {
-    u32x4 va[STAT_GROUPS], vb[STAT_GROUPS];
-#pragma unroll
-    for (int j = 0; j < STAT_GROUPS; ++j) {
-      const bool in = c0 + j * 32 + t * 8 < c_end;
-      va[j] = in ? ld_global16(xa + c0 + j * 32) : u32x4{0u, 0u, 0u, 0u};
-      vb[j] = in ? ld_global16(xb + c0 + j * 32) : u32x4{0u, 0u, 0u, 0u};
-    }
-#pragma unroll
-    for (int j = 0; j < STAT_GROUPS; ++j) {
-      if (c0 + j * 32 >= c_end) break;
-      const u32 a0[4] = {va[j].x, vb[j].x, va[j].y, vb[j].y}, a1[4] = {va[j].z, vb[j].z, va[j].w, vb[j].w};
-      if constexpr (!NORM_IS_RMS) {
-        mma_16816(sum, a0, ones, ones);
-        mma_16816(sum, a1, ones, ones);
-      }
-      mma_16816(sq_lo, a0, a0[0], a0[2]);
-      mma_16816(sq_lo, a1, a1[0], a1[2]);
-      mma_16816(sq_hi, a0, a0[1], a0[3]);
-      mma_16816(sq_hi, a1, a1[1], a1[3]);
-    }
-  }
-  const int holder = (lane & ~3) | (g >> 1);
-  ss_a = __shfl_sync(FULL_WARP, (g & 1) ? sq_lo[1] : sq_lo[0], holder);
-  ss_b = __shfl_sync(FULL_WARP, (g & 1) ? sq_hi[3] : sq_hi[2], holder);
-  sum_a = sum[0];
-  sum_b = sum[2];
-}
-
-FN_INLINE void shared_or_own_statistics(const Params& p, const StepCursor& cur, int row0, bool warp_rows,
-                                        float* row_mean, float* row_rstd, float* stat_parts, int warp, int lane,
-                                        int tid) {
-  const long long batch_off = (long long)cur.b * p.q_len * p.model_dim;
-  if (!statistics_shared_here(p, p.x + batch_off, row0, warp_rows, row_mean, row_rstd, stat_parts, warp, lane)) return;
-  const int group = cur.head / p.heads_per_item, rb = cur.b * p.row_blocks + cur.row_block;
-  const int cols = ((p.model_dim + p.head_groups - 1) / p.head_groups + 31) / 32 * 32;
-  const int c_begin = min(p.model_dim, group * cols), c_end = min(p.model_dim, c_begin + cols);
-  const int g = lane >> 2, t = lane & 3;
-  const long long row_base = (long long)cur.b * p.q_len + row0;
-  float sa, qa, sb, qb;
-  row_partials(p, p.x + batch_off, row0, c_begin, c_end, sa, qa, sb, qb, lane);
-  if (t == 0) {
-    fn_col_parts[((long long)group << 16) + row_base + g] = make_float2(sa, qa);
-    fn_col_parts[((long long)group << 16) + row_base + g + 8] = make_float2(sb, qb);
-  }
-  shared_arrive_and_wait(p, rb, tid);
-  float sum_a = 0.f, ss_a = 0.f, sum_b = 0.f, ss_b = 0.f;
-  for (int gr = 0; gr < p.head_groups; ++gr) {
-    const float2 pa = __ldcg(fn_col_parts + ((long long)gr << 16) + row_base + g);
-    const float2 pb = __ldcg(fn_col_parts + ((long long)gr << 16) + row_base + g + 8);
-    sum_a += pa.x; ss_a += pa.y; sum_b += pb.x; ss_b += pb.y;
-  }
-  const float inv_d = 1.f / (float)p.model_dim;
-  const float mean_a = NORM_IS_RMS ? 0.f : sum_a * inv_d, mean_b = NORM_IS_RMS ? 0.f : sum_b * inv_d;
-  const float var_a = fmaf(-mean_a, mean_a, ss_a * inv_d), var_b = fmaf(-mean_b, mean_b, ss_b * inv_d);
-  const bool redo = !NORM_IS_RMS && (mean_a * mean_a > 16.f * var_a || mean_b * mean_b > 16.f * var_b);
-  if (t == 0) {
-    row_mean[g] = mean_a;
-    row_rstd[g] = rsqrtf(fmaxf(var_a, 0.f) + p.eps);
-    row_mean[g + 8] = mean_b;
-    row_rstd[g + 8] = rsqrtf(fmaxf(var_b, 0.f) + p.eps);
-  }
-  __syncwarp();
-  if (__any_sync(FULL_WARP, redo)) row_statistics_exact(p, p.x + batch_off, row0, row_mean, row_rstd, lane);
-  shared_leave(p, rb, tid);
-}
-
-""" + _KERNEL_HEAD)
-_SHARED_CALL = ("""      if (cur.head_in_item == 0 && warp_rows) {  // a new item: statistics of this warp's rows
-        const long long batch_off = (long long)cur.b * p.q_len * p.model_dim;
-        // items of the later head groups hold the same rows: the first group's copies them
-        u16* copy_batch = WRITE_O && p.x_copy != nullptr && cur.head == 0 ? p.x_copy + batch_off : nullptr;
-        row_statistics(p, p.x + batch_off, copy_batch, row0, row_mean, row_rstd, stat_parts, warp, lane);
-      }""", """      if (cur.head_in_item == 0 && !WRITE_O)  // (every warp: the exchange holds CTA barriers)
-        shared_or_own_statistics(p, cur, row0, warp_rows, row_mean, row_rstd, stat_parts, warp, lane, tid);
-      else if (cur.head_in_item == 0 && warp_rows) {
-        const long long batch_off = (long long)cur.b * p.q_len * p.model_dim;
-        u16* copy_batch = WRITE_O && p.x_copy != nullptr && cur.head == 0 ? p.x_copy + batch_off : nullptr;
-        row_statistics(p, p.x + batch_off, copy_batch, row0, row_mean, row_rstd, stat_parts, warp, lane);
-      }""")
-TOLERANT = {"shared_column_stats"}  # variants whose sums come in another order: checked against a tolerance
-
-
-VARIANTS = {  # name -> (what it changes, [(old, new), ...]); results must stay bit-identical (TOLERANT: close)
-    "shared_stats": ("single-wave items: each row block's statistics summed once, split by rows between its head "
-                     "groups' CTAs and exchanged through global memory", [_SHARED_BY_ROWS, _SHARED_CALL]),
-    "shared_column_stats": ("the same exchange with each group's CTA summing its share of every row's columns "
-                            "(1/groups of the round trips)", [_SHARED_BY_COLUMNS, _SHARED_CALL]),
+VARIANTS = {  # name -> (what it changes, [(old, new), ...]); results must stay bit-identical
     "stats_keep": ("the statistics pass's x loads evict-last in L2", _stats_keep(1.0)),
     "stats_keep_half": ("the same for half of the lines (createpolicy fraction 0.5)", _stats_keep(0.5)),
     "slice_last_use": ("the x slice copies evict-first (x's last read)",
@@ -367,11 +205,7 @@ def main():
                 y = form.fused(**sets[0])
                 if expected.setdefault(shape, y) is y:
                     continue
-                if name in TOLERANT:
-                    if not torch.allclose(y.float(), expected[shape].float(), rtol=2e-2, atol=2e-2):
-                        raise SystemExit(f"variant {name!r} moved the result on {shape}: max difference "
-                                         f"{(y.float() - expected[shape].float()).abs().max().item():.3g}")
-                elif not torch.equal(y, expected[shape]):
+                if not torch.equal(y, expected[shape]):
                     raise SystemExit(f"variant {name!r} changed the result on {shape}")
         row = [graph_time_us(form.fused, sets, min_total_s=0.1) for sets in inputs.values()]
         print(f"{name:22s}" + "".join(f"{us:12.1f}" for us in row) + f"   {what}", flush=True)

@@ -5,7 +5,7 @@
 #   one whose library is missing is skipped); ncu: the seed shape under Nsight Compute, with the per-instruction
 #   summary of bench/sass_profile.py; host: host time per op call (bench/host_profile_plan.py, and
 #   bench/host_dispatch.py: the autograd key's share). benchproj, sweep, ab (the sweep against a base tree), ablate,
-#   host, probe (bench/probe_copies.py: the decode K/V stream alone, per copy form), width (bench/param_width.py:
+#   host, abblock, probe (bench/probe_copies.py: the decode K/V stream alone, per copy form), width (bench/param_width.py:
 #   the norm's parameters as x's type or fp32), sanitize, ncu and choice
 #   (bench/kernel_choice.py: what the default kernel="auto" picks against kernel and Inductor) run only when STEPS
 #   names them.
@@ -14,6 +14,8 @@
 #     bash bench/device_run.sh
 #   (models: MODELS=t5,torch MODEL_VARIANTS=inductor,fusednorm_plan,inductor_cg,fusednorm_plan_cg MODELS_TIMEOUT=...)
 #   (ab: AB_SHAPES=sd15_64 AB_ONLY=<tokens> AB_BASE_ONLY=<tokens> AB_FORMS="noproj proj", against ab_base/ if present)
+#   (abblock: bench_block.py on this tree and ab_base/, alternating, twice; AB_SHAPES_noproj=t5_dec,... AB_SHAPES_proj=
+#   ...; ab_base/.kernels.tar.xz, the base tree's prebuilt kernels, if carried)
 #   (wheels under .whl/ are installed first: carry diffusers there, the GPU machine lacks it; carry .kernels.tar.xz
 #   from bench/prebuild_kernels.py to skip the GPU tests' cold compiles)
 set -u
@@ -44,6 +46,12 @@ for step in $STEPS; do
         echo "== this tree, $form"; timeout 150 python3 bench/sweep_tiles.py --shapes ${AB_SHAPES:-sd15_64} ${AB_ONLY:+--only $AB_ONLY} --form $form 2>&1 | tee "$OUT/ab_$form.log" | tail -8
         [ -d ab_base ] && { echo "== ab_base, $form"; FUSEDNORM_CACHE_DIR=/tmp/fnk_ab_base timeout 150 python3 ab_base/bench/sweep_tiles.py --shapes ${AB_SHAPES:-sd15_64} ${AB_BASE_ONLY:+--only $AB_BASE_ONLY} --form $form 2>&1 | tee "$OUT/ab_base_$form.log" | tail -6; }
       done ;;
+    abblock) [ -f ab_base/.kernels.tar.xz ] && mkdir -p /tmp/fnk_ab_base && tar xJf ab_base/.kernels.tar.xz -C /tmp/fnk_ab_base
+      for rep in 1 2; do for form in ${AB_FORMS:-noproj proj}; do  # the block benchmark, this tree then ab_base's,
+        shapes=AB_SHAPES_$form                                      # twice over: a drift shows as a changed pair
+        echo "== this tree, $form, run $rep"; timeout 150 python3 bench/bench_block.py --form $form --shapes ${!shapes:-t5_dec} --no-inductor --out "$OUT/ab_new_$form$rep" 2>&1 | tee "$OUT/abblock_new_$form$rep.log" | grep '^| [a-z]'
+        [ -d ab_base ] && { echo "== ab_base, $form, run $rep"; FUSEDNORM_CACHE_DIR=/tmp/fnk_ab_base timeout 150 python3 ab_base/bench/bench_block.py --form $form --shapes ${!shapes:-t5_dec} --no-inductor --out "$OUT/ab_base_$form$rep" 2>&1 | tee "$OUT/abblock_base_$form$rep.log" | grep '^| [a-z]'; }
+      done; done ;;
     sweep) timeout 240 python3 bench/sweep_tiles.py ${SWEEP_SHAPES:+--shapes $SWEEP_SHAPES} ${SWEEP_ONLY:+--only $SWEEP_ONLY} ${SWEEP_CHUNKS:+--chunks $SWEEP_CHUNKS} ${SWEEP_FORM:+--form $SWEEP_FORM} 2>&1 | tee "$OUT/sweep.log" | tail -40 ;;
     sanitize) for tool in memcheck racecheck; do
         timeout 100 compute-sanitizer --tool $tool python3 tests/gpu/sanitize_kernels.py > "$OUT/$tool.log" 2>&1

@@ -362,6 +362,44 @@ def test_plan_covers_every_row_and_head():
         assert 1 <= p.grid <= min(p.items, 132 * 3)
 
 
+def test_statistics_are_shared_where_one_wave_holds_a_row_blocks_head_groups():
+    """T5's decoder (D 1024, 8 head groups of one 128-row block, 256 items for 264 slots) sums each row's
+    statistics in 8 column groups, one per item, and shares them, in a kernel that can (KernelSpec.grouped_stats).
+    The groups follow the whole device: with sm_count bounding the grid the items are grouped otherwise or no
+    longer run at once, so each sums every group itself (the same bits)."""
+    t5 = ("long", tile_for("long", 64, 90), 32, 128, 512, 16, 64)
+    full = select.plan_launch(*t5, sm_count=132, ctas_per_sm=2, grouped_stats=True)
+    assert (full.head_groups, full.items, full.stat_col_groups, full.share_stats) == (8, 256, 8, True)
+    assert select.plan_launch(*t5, sm_count=132, ctas_per_sm=2).stat_col_groups == 1  # a kernel that cannot
+    bounded = select.plan_launch(*t5, sm_count=100, ctas_per_sm=2, device_sms=132, grouped_stats=True)
+    assert bounded.stat_col_groups == 8 and not bounded.share_stats and bounded.head_groups != 8  # its own G
+    few = select.plan_launch(*t5, sm_count=20, ctas_per_sm=2, device_sms=132, grouped_stats=True)
+    assert few.stat_col_groups == 8 and not few.share_stats
+    t5_base = select.plan_launch(*t5[:5], 12, 64, sm_count=132, ctas_per_sm=2, model_dim=768, grouped_stats=True)
+    assert t5_base.stat_col_groups == t5_base.head_groups > 1 and t5_base.share_stats
+    # one pass per row: several waves (seed), one head group (SD 1.5), a narrow row (SDXL, D 640)
+    long = tile_for("long", 64, 90)
+    assert select.plan_launch("long", long, 32, 2048, 77, 16, 64, 132, 2).items > 264
+    for args in (("long", long, 32, 2048, 77, 16, 64), ("long", tile_for("long", 40, 90), 8, 4096, 77, 8, 40),
+                 ("long", long, 2, 4096, 77, 10, 64)):
+        p = select.plan_launch(*args, sm_count=132, ctas_per_sm=2, grouped_stats=True)
+        assert (p.stat_col_groups, p.share_stats) == (1, False), args
+
+
+def test_only_projection_free_kernels_with_a_heads_keys_in_stages_group_their_statistics():
+    """KernelSpec.grouped_stats: the long and base tiles of the projection-free form. Not the one-tile kernels (they
+    spilled with it), nor tiles whose warps hold two m-tiles (sm_80's long) or split keys (decode), nor the plan's
+    stage (it measured slower); the template compiles the grouped pass only where the spec says so."""
+    def spec(role, arch=90, stage=False):
+        return KernelSpec("bf16", 64, "layer", True, True, False, "none", False, tile_for(role, 64, arch), arch, False,
+                          stage, stage)
+    assert spec("long").grouped_stats and spec("base").grouped_stats
+    for no in (spec("few_keys"), spec("short"), spec("long", arch=80), spec("long", stage=True)):
+        assert not no.grouped_stats, no.key
+    assert "constexpr bool GROUPED_STATS = true;" in render(spec("long"))
+    assert "constexpr bool GROUPED_STATS = false;" in render(spec("few_keys"))
+
+
 def test_forced_heads_per_item_pins_g_and_still_covers_every_head(monkeypatch):
     # the benchmarks' knob (bench/sweep_tiles.py --groups): any G, even one the cost model would skip as uneven
     tile = tile_for("few_keys", 64)

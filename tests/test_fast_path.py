@@ -43,8 +43,11 @@ class FakeGPU:
                 q_from_qraw, write_o)
         if fkey not in self.families:  # kept alive: run_kernel's plan cache is keyed by id(kernel)
             self.families[fkey] = {
-                role: SimpleNamespace(spec=SimpleNamespace(tile=tile_for(role, d), key=f"fake_{role}_{fkey}"),
-                                      ctas_per_sm=2, device_index=device_index, threads=128, smem_bytes=0)
+                role: SimpleNamespace(spec=SimpleNamespace(
+                    tile=tile_for(role, d), key=f"fake_{role}_{fkey}",
+                    grouped_stats=KernelSpec(dtype, d, norm, has_gamma, has_beta, affine_f32, mask_kind, mask_f32,
+                                             tile_for(role, d), arch, check, q_from_qraw, write_o).grouped_stats),
+                    ctas_per_sm=2, device_index=device_index, threads=128, smem_bytes=0)
                 for role in TILE_ROLES}
         return self.families[fkey]
 
@@ -95,6 +98,7 @@ def gpu(monkeypatch):
     monkeypatch.setattr(codegen, "call_plans", {})
     monkeypatch.setattr(codegen, "_plans", {})
     monkeypatch.setattr(codegen, "_flags", {})
+    monkeypatch.setattr(codegen, "_tickets", {})
     monkeypatch.setattr(codegen, "poison_outputs", False)
     monkeypatch.setattr(select, "force_role", None)
     for index in (0, 1):
@@ -148,18 +152,24 @@ def test_a_repeated_signature_skips_the_checks_and_launches_with_its_own_pointer
     assert y2.shape == y1.shape == t["x"].shape and y2.dtype == BF16 and y2.is_contiguous()
 
 
-def test_decode_at_batch_one_launches_runs_of_keys_with_zeroed_tickets(gpu, monkeypatch):
-    """20 (batch, head) pairs on 132 SMs: each pair's 8 key tiles go to 4 CTAs, which need a partial-state
-    workspace and one zeroed ticket per pair (Params.part, Params.tickets: the last two pointers); the tail carries
-    the runs and their key tiles, the grid one CTA per run. Every call gets them afresh, cached launch or not."""
+def _record_workspaces(gpu, monkeypatch, ticket_words):
+    """(Params.part, Params.tickets, the first ticket_words tickets' bytes) of every launch, as the kernel meets them."""
     seen = []
     record = gpu.launch
 
     def launch(kernel, grid, stream, pointers, tail, maps=b""):
-        seen.append((pointers[12], pointers[13], ctypes.string_at(pointers[13], 4 * 20)))
+        seen.append((pointers[12], pointers[13], ctypes.string_at(pointers[13], 4 * ticket_words)))
         record(kernel, grid, stream, pointers, tail, maps)
 
     monkeypatch.setattr(codegen._launch, "launch", launch)
+    return seen
+
+
+def test_decode_at_batch_one_launches_runs_of_keys_with_zeroed_tickets(gpu, monkeypatch):
+    """20 (batch, head) pairs on 132 SMs: each pair's 8 key tiles go to 4 CTAs, which need a partial-state
+    workspace and one zeroed ticket per pair (Params.part, Params.tickets: the last two pointers); the tail carries
+    the runs and their key tiles, the grid one CTA per run. Cached launch or not, every call gets zeroed tickets."""
+    seen = _record_workspaces(gpu, monkeypatch, ticket_words=20)
     for _ in range(2):
         fused(**inputs(B=1, Lq=1, Lk=1500, H=20))
     for part, tickets, ticket_bytes in seen:
@@ -168,6 +178,51 @@ def test_decode_at_batch_one_launches_runs_of_keys_with_zeroed_tickets(gpu, monk
     assert first.tail[-4:-2] == (4, 2) == second.tail[-4:-2] and first.grid == 80  # runs, key tiles per run
     wide = fused(**inputs(B=64, Lq=1, Lk=1500, H=20))
     assert gpu.launches[-1].pointers[12:] == (0, 0) and gpu.launches[-1].tail[-4] == 1 and wide.shape[0] == 64
+
+
+def test_shared_statistics_get_zeroed_counters_and_a_sums_workspace_on_every_call(gpu, monkeypatch):
+    """A row block split between head groups that all run at once (16 one-head items of 64 rows, D = 1024, 100 keys:
+    the base tile) shares its rows' statistics: two zeroed counters per (batch, row block) and the groups' sums of
+    every row (Params.tickets, Params.part); the tail carries the groups and the sharing. Every call gets zeroed
+    counters."""
+    seen = _record_workspaces(gpu, monkeypatch, ticket_words=4)
+    for _ in range(2):
+        fused(**inputs(B=2, Lq=64, Lk=100, H=16))
+    for part, tickets, counter_bytes in seen:
+        assert part != 0 and tickets != 0 and counter_bytes == bytes(16)
+    first, second = gpu.launches
+    assert first.tail[-6:-4] == (16, 1) == second.tail[-6:-4] and first.grid == 32
+    narrow = fused(**inputs(B=2, Lq=64, Lk=100, H=4))  # D = 256: one pass per row
+    assert gpu.launches[-1].pointers[12:] == (0, 0) and gpu.launches[-1].tail[-6:-4] == (1, 0)
+    few_keys = fused(**inputs(B=2, Lq=64, H=16))  # the one-tile kernel: one pass per row
+    assert gpu.launches[-1].pointers[12:] == (0, 0) and gpu.launches[-1].tail[-6:-4] == (1, 0)
+    assert narrow.shape == (2, 64, 256) and few_keys.shape == (2, 64, 1024)
+
+
+def test_tickets_are_kept_per_stream_and_a_capture_gets_its_own(gpu, monkeypatch):
+    """Every kernel leaves Params.tickets zero, so eager launches on one stream (which run one after another) share
+    one zeroed buffer and pay no memset; another stream's launch may run beside them and gets another; a capture
+    gets zeroed words in its own graph's memory, kept by nobody, since its replays may run beside anything."""
+    pointers = []
+    record = gpu.launch
+
+    def launch(kernel, grid, stream, ptrs, tail, maps=b""):
+        pointers.append((stream, ptrs[13]))
+        record(kernel, grid, stream, ptrs, tail, maps)
+
+    monkeypatch.setattr(codegen._launch, "launch", launch)
+    decode = dict(B=1, Lq=1, Lk=1500, H=20)  # key-split runs: tickets
+    fused(**inputs(**decode))
+    fused(**inputs(B=2, Lq=64, Lk=100, H=16))  # shared statistics: counters in the same buffer
+    assert pointers[0] == pointers[1] and pointers[0][1] != 0
+    monkeypatch.setattr(codegen, "_raw_stream", lambda device_index: 2000 + device_index)
+    fused(**inputs(**decode))
+    assert pointers[2][0] == 2000 and pointers[2][1] not in (0, pointers[0][1])
+    kept = dict(codegen._tickets)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    fused(**inputs(**decode))
+    assert pointers[3][1] not in (0, pointers[0][1], pointers[2][1]) and codegen._tickets == kept
+    assert sorted(kept) == [(0, 1000), (0, 2000)] and all(not t.any() for t in kept.values())
 
 
 def test_a_broadcast_bool_mask_is_used_in_place_and_cached(gpu):
@@ -546,7 +601,7 @@ def test_launch_packs_params_into_a_per_thread_buffer(monkeypatch):
     monkeypatch.setattr(launch, "_raw_launch", None)  # no libcuda: the cuda-python binding launches
     kernel = SimpleNamespace(function="fn", handle=1, threads=256, smem_bytes=4096, device_index=0,
                              spec=SimpleNamespace(key="k"))
-    tail = tuple(range(1, 24)) + (1e-5, 0.18)  # 11 strides, 12 sizes, eps, scale_log2
+    tail = tuple(range(1, 26)) + (1e-5, 0.18)  # 11 strides, 14 sizes and settings, eps, scale_log2
     before = launch.launch_count
 
     def two_launches(base):
@@ -584,7 +639,7 @@ def test_the_ctypes_launch_is_used_and_a_failure_goes_to_the_binding(monkeypatch
         CUDA_SUCCESS=0, CUDA_ERROR_INVALID_CONTEXT=201)))
     kernel = SimpleNamespace(function="fn", handle=0xABC, threads=128, smem_bytes=1024, device_index=0,
                              spec=SimpleNamespace(key="k"))
-    tail = tuple(range(1, 24)) + (1e-5, 0.18)
+    tail = tuple(range(1, 26)) + (1e-5, 0.18)
     pointers = tuple(range(500, 500 + launch.POINTERS))
     before = launch.launch_count
     launch.launch(kernel, 3, 77, pointers, tail)

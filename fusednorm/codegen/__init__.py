@@ -221,23 +221,31 @@ def run_kernel(x, k, v, gamma, beta, mask, norm, eps, scale, sm_count, check_num
                            f"{kernel.spec.tile.block_n} keys, got Lk = {Lk}")
     k = _fast_operand(k, "k", kernel.spec.tile.tma)
     v = _fast_operand(v, "v", kernel.spec.tile.tma)
-    pkey = (role, id(kernel), B, Lq, Lk, H, sms, _select.force_heads_per_item, _select.force_kv_chunks)
+    pkey = (role, id(kernel), B, Lq, Lk, H, D, sms, _select.force_heads_per_item, _select.force_kv_chunks)
     plan = _plans.get(pkey)
     if plan is None:
         if len(_plans) > 4096:
             _plans.clear()
         plan = _plans[pkey] = _select.plan_launch(role, kernel.spec.tile, B, Lq, Lk, H, d, sms, kernel.ctas_per_sm,
-                                                  device_sms=device_sms)
+                                                  device_sms=device_sms, model_dim=D,
+                                                  grouped_stats=kernel.spec.grouped_stats)
 
     ks, vs = k.stride(), v.stride()
     out_cols = stage.o_cols or D
-    units = B * plan.row_blocks * H if plan.kv_chunks > 1 else 0  # (batch, row block, head) pairs split by keys
+    if plan.kv_chunks > 1:  # a ticket per (batch, row block, head) pair split by keys, and the chunks' states
+        tickets = B * plan.row_blocks * H
+        part_floats = tickets * plan.kv_chunks * 16 * (d + 4)
+    elif plan.share_stats:  # two counters per (batch, row block), and the column groups' sums of every row
+        tickets = B * plan.row_blocks * 2
+        part_floats = plan.stat_col_groups * B * Lq * 2
+    else:
+        tickets = part_floats = 0
     call = CallPlan(kernel, plan.grid, bool(check_numerics), (
         ks[0], ks[1], ks[2], vs[0], vs[1], vs[2], m_strides[0], m_strides[1], m_strides[2],
         stage.qraw.stride(0) if stage.qraw is not None else 0, out_cols,
         B, Lq, Lk, H, D, plan.heads_per_item, plan.head_groups, plan.row_blocks, plan.items,
-        int(stage.o_cols > H * d), plan.kv_chunks, plan.chunk_tiles, float(eps), _scale_log2(scale, d)), out_cols,
-        units, units * plan.kv_chunks * 16 * (d + 4))
+        int(stage.o_cols > H * d), plan.stat_col_groups, int(plan.share_stats), plan.kv_chunks, plan.chunk_tiles,
+        float(eps), _scale_log2(scale, d)), out_cols, tickets, part_floats)
     y = launch_call(call, x, k, v, gamma, beta, mask, stage)
     # A hit hands the caller's tensors to the kernel unprepared, so only a call that needed no copy or conversion
     # is cached (a mask view keeps its pointer; a copy cannot share it while the caller's mask is alive).
@@ -264,8 +272,8 @@ class CallPlan:
     check_numerics: bool
     tail: tuple  # Params after its pointers: strides, sizes, work split, eps, scale
     out_cols: int  # columns of the output rows: D, or the stage's o_cols
-    chunk_units: int = 0  # with keys split between CTAs: the tickets, one per (batch, row block, head); else 0
-    part_floats: int = 0  # and the floats of their partial states (Params.part)
+    tickets: int = 0  # Params.tickets: keys split between CTAs, or statistics shared between them; else 0
+    part_floats: int = 0  # and the floats of Params.part: the chunks' partial states, or the shared sums
     # tma tiles: TmaMaps by (x, k, v, y) pointers. The call key fixes every other input of the maps (shapes,
     # strides, the tile), so the pointers alone find them: one small tuple per call instead of shapes and strides
     maps: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
@@ -320,10 +328,11 @@ def launch_call(call: CallPlan, x, k, v, gamma, beta, mask, stage: StageIO | Non
         elif flag is None:
             flag = _flags[device_index] = _graph_memory.kept_copies([torch.zeros(1, dtype=torch.int32,
                                                                                  device=x.device)])[0]
+    stream = _raw_stream(device_index)
     part = tickets = None
-    if call.chunk_units:  # the tickets start at zero (the kernel leaves them so, but a fresh buffer may not be)
+    if call.tickets:
         part = torch.empty(call.part_floats, dtype=torch.float32, device=x.device)
-        tickets = torch.zeros(call.chunk_units, dtype=torch.int32, device=x.device)
+        tickets = _zeroed_tickets(call.tickets, x, device_index, stream)
     xp, yp, kp, vp = x.data_ptr(), y.data_ptr(), k.data_ptr(), v.data_ptr()
     pointers = (xp, yp, kp, vp,
                 gamma.data_ptr() if gamma is not None else 0, beta.data_ptr() if beta is not None else 0,
@@ -337,10 +346,27 @@ def launch_call(call: CallPlan, x, k, v, gamma, beta, mask, stage: StageIO | Non
             if len(call.maps) >= _MAPS_PER_CALL:
                 call.maps.clear()
             maps = call.maps[xp, kp, vp, yp] = _tma_maps(call.kernel.spec.tile, x, k, v, y)
-    _launch.launch(call.kernel, call.grid, _raw_stream(device_index), pointers, call.tail, maps)
+    _launch.launch(call.kernel, call.grid, stream, pointers, call.tail, maps)
     if flag is not None:
         _raise_if_flagged(flag, call.kernel.spec.key)
     return y
+
+
+# Params.tickets must be zero when a kernel starts, and every kernel leaves them zero. Outside CUDA graphs one buffer
+# per (device, stream) serves every launch, since launches on one stream run one after another: no memset per call.
+# A launch on another stream may run at the same time, so it gets its own; a graph being captured gets zeroed words
+# of its own (a memset node), since its replays may run beside anything.
+_tickets: dict[tuple[int, int], torch.Tensor] = {}
+
+
+def _zeroed_tickets(n: int, x: torch.Tensor, device_index: int, stream: int) -> torch.Tensor:
+    if _graph_memory.capturing(x):
+        return torch.zeros(n, dtype=torch.int32, device=x.device)
+    words = _tickets.get((device_index, stream))
+    if words is None or words.numel() < n:
+        words = _tickets[device_index, stream] = _graph_memory.kept_copies(
+            [torch.zeros(max(n, 4096), dtype=torch.int32, device=x.device)])[0]
+    return words
 
 
 def _kv_map_dims(t: torch.Tensor) -> tuple[tuple, tuple]:

@@ -54,6 +54,7 @@ def config_constants(spec: KernelSpec) -> dict:
         "CHECK_NUMERICS": spec.check_numerics,
         "Q_FROM_QRAW": spec.q_from_qraw,
         "WRITE_O": spec.write_o,
+        "GROUPED_STATS": spec.grouped_stats,
         "SMEM_BYTES": spec.smem_bytes(),
         "MIN_CTAS_PER_SM": spec.min_ctas_per_sm,
     }

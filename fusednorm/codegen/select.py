@@ -5,7 +5,7 @@ new B, Lq or Lk only changes this choice. ``force_role`` pins the role (benchmar
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .spec import FEW_KEYS, MANY_KEYS, TileConfig
 
@@ -57,6 +57,8 @@ class LaunchPlan:
     grid: int
     kv_chunks: int = 1     # key-split tiles: runs of key tiles per (batch, row block, head), one item each
     chunk_tiles: int = 0   # key tiles per run (all of them when kv_chunks is 1)
+    stat_col_groups: int = 1  # > 1: the row statistics summed in that many column groups (see grouped_statistics)
+    share_stats: bool = False  # and each item sums its own group, taking the others' from the other items
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -64,14 +66,17 @@ def _cdiv(a: int, b: int) -> int:
 
 
 def plan_launch(role: str, tile: TileConfig, batch: int, q_len: int, kv_len: int, heads: int, head_dim: int,
-                sm_count: int, ctas_per_sm: int, device_sms: int | None = None) -> LaunchPlan:
+                sm_count: int, ctas_per_sm: int, device_sms: int | None = None,
+                model_dim: int | None = None, grouped_stats: bool = False) -> LaunchPlan:
     """Pick G (heads per work item), for key-split tiles the runs of keys per head, and the persistent grid.
 
     A work item is (batch, block of query rows, group of G heads). Larger G reads each x row fewer times for the
     statistics; smaller G makes more items when B * row_blocks alone cannot fill the GPU (decode). The cost model
     counts waves of items over the SMs, each item costing G heads of work plus one statistics pass over D.
-    ``device_sms`` (default ``sm_count``): the device's SMs, which alone decide the runs of keys, so that results
-    stay bit-identical whatever ``sm_count`` bounds (see key_chunks).
+    ``device_sms`` (default ``sm_count``): the device's SMs, which alone decide the runs of keys and the statistics'
+    column groups, so that results stay bit-identical whatever ``sm_count`` bounds (see key_chunks,
+    grouped_statistics). ``model_dim``: the columns of x the statistics sum (default heads * head_dim).
+    ``grouped_stats``: the kernel can sum them in column groups (KernelSpec.grouped_stats).
     """
     row_blocks = _cdiv(q_len, tile.block_m)
     key_tiles = _cdiv(kv_len, tile.kv_rows)
@@ -101,7 +106,30 @@ def plan_launch(role: str, tile: TileConfig, batch: int, q_len: int, kv_len: int
     _, g, groups, items = best
     items *= chunks
     grid = min(items, sm_count * ctas_per_sm)
-    return LaunchPlan(role, g, groups, row_blocks, items, grid, chunks, chunk_tiles)
+    plan = LaunchPlan(role, g, groups, row_blocks, items, grid, chunks, chunk_tiles)
+    if device_sms is not None and device_sms != sm_count:  # the statistics' groups follow the whole device
+        full = plan_launch(role, tile, batch, q_len, kv_len, heads, head_dim, device_sms, ctas_per_sm)
+    else:
+        full = plan
+    col_groups = grouped_statistics(full, model_dim or heads * head_dim) if grouped_stats else 1
+    share = col_groups > 1 and groups == col_groups and items <= grid
+    return replace(plan, stat_col_groups=col_groups, share_stats=share)
+
+
+GROUPED_STATS_MIN_DIM = 768  # below, a row's statistics take <= 5 round trips, and sharing them measured level
+
+
+def grouped_statistics(full: LaunchPlan, model_dim: int) -> int:
+    """Column groups of the row statistics (templates/pnca/statistics.cu), for a kernel that can group them: the
+    head groups, where a block of rows is split between several items that the whole device runs in one wave, else
+    1 (one pass per row). Each item then sums only its group's share of every row's columns and takes the rest from
+    the other items: T5's decoder (D = 1024, 8 items per 128 rows) -6 to -8 % on an H100 (docs/PERF.md,
+    twenty-fourth run). It follows the plan for the whole device, never sm_count, so that results stay
+    bit-identical whatever sm_count bounds (the sums' order is the groups'); a bounded grid sums every group in each
+    item instead."""
+    if full.kv_chunks > 1 or model_dim < GROUPED_STATS_MIN_DIM:
+        return 1
+    return full.head_groups if full.head_groups > 1 and full.items <= full.grid else 1
 
 
 def key_chunks(pairs: int, key_tiles: int, slots: int) -> tuple[int, int]:

@@ -206,6 +206,17 @@ class KernelSpec:
         return 1
 
     @property
+    def grouped_stats(self) -> bool:
+        """The row statistics may be summed in column groups and shared between the items of a row block
+        (templates/pnca/statistics.cu; select.grouped_statistics decides per launch): the projection-free kernels
+        whose warps hold one m-tile of their own rows, a head's keys in several stages. On an H100 this took T5's
+        decoder from 41.0 to 38.2-38.7 us (docs/PERF.md, twenty-fourth run); the one-tile kernels spilled with it
+        (for -1 % on SDXL 32x32) and the plan's stage lost 3 % (T5) to 5 % (SDXL 32x32), so they sum each row
+        whole."""
+        t = self.tile
+        return not (t.one_tile or t.key_split > 1 or t.m_tiles > 1 or self.q_from_qraw or self.write_o)
+
+    @property
     def kv_swizzled(self) -> bool:
         """K/V stages in the 128-byte-swizzle layout (unpadded rows; the XOR keeps ldmatrix free of bank
         conflicts): every wgmma tile (the layout it reads), and the key-split tiles whose head dim is whole

@@ -5,6 +5,7 @@ result's relative L2 error to stay within 2x eager PyTorch's error in the same d
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
 from concurrent.futures import ThreadPoolExecutor
@@ -243,6 +244,89 @@ def test_sm_count_gives_bit_identical_results():
             assert torch.isfinite(outs[0]).all(), (d, Lq, Lk, dtype)
             for o in outs[1:]:
                 assert torch.equal(o, outs[0]), (d, Lq, Lk, dtype)
+
+
+def _launched_statistics(monkeypatch):
+    """Record (column groups, shared) of every launch: the tail's Params.stat_col_groups and share_stats."""
+    seen, real = [], codegen._launch.launch
+
+    def launch_and_record(kernel, grid, stream, pointers, tail, maps=b""):
+        seen.append(tuple(tail[-6:-4]))
+        return real(kernel, grid, stream, pointers, tail, maps)
+
+    monkeypatch.setattr(codegen._launch, "launch", launch_and_record)
+    return seen
+
+
+@pytest.mark.parametrize("role", ["base", "long"])
+@pytest.mark.parametrize("mean_over_std", [0.2, 30.0])
+def test_statistics_shared_between_head_groups_give_the_bits_each_item_sums_alone(role, mean_over_std,
+                                                                                  monkeypatch):
+    """D = 1024 in 16 heads, few enough items to run at once: each block of rows is split between head groups whose
+    items sum one column group each and share the sums (statistics.cu). Against float64; and bit for bit against
+    smaller grids, where each item sums every group itself; |mean| = 30 std sends rows to the exact pass."""
+    tile = tile_for(role, 64, _arch())
+    if tile.m_tiles != 1 or tile.key_split != 1:
+        pytest.skip(f"{role}'s tile on sm_{_arch()} has warps of {tile.m_tiles} m-tiles: one pass per row")
+    monkeypatch.setattr(select, "force_role", role)
+    seen = _launched_statistics(monkeypatch)
+    gen = torch.Generator(device=DEV).manual_seed(int.from_bytes(os.urandom(4), "little"))
+    x, k, v, g, b, m = make_inputs(torch.bfloat16, 3, 130, 300, 16, 64, mask="bool", gen=gen)
+    if mean_over_std > 1:
+        z = x.double()
+        x = ((z - z.mean(-1, keepdim=True)) / z.std(-1, keepdim=True, unbiased=False) + mean_over_std).bfloat16()
+    y = fused(x, k, v, g, b, m, "layer")
+    assert len(seen) == 1 and seen[0][0] > 1 and seen[0][1] == 1, (seen, launch.last_launched)
+    ref = reference64(x, k, v, g, b, m, "layer", 1e-5, None) - x.double()
+    err = rel_l2(y - x.double(), ref)
+    err_eager = rel_l2(eager_block(x, k, v, g, b, m, "layer", 1e-5, None) - x.double(), ref)
+    assert err <= 2 * err_eager + 1e-7, f"fused error {err:.3e} > 2x eager error {err_eager:.3e}"
+    for sm_count in (1, 5, 17):
+        assert torch.equal(fused(x, k, v, g, b, m, "layer", sm_count=sm_count), y), (sm_count, seen[-1])
+    assert all(groups == seen[0][0] for groups, _ in seen) and not any(shared for _, shared in seen[1:])
+
+
+def test_shared_statistics_never_wait_for_an_item_that_is_not_running(monkeypatch):
+    """Sharing told to a grid too small to run every item at once: an item's partners come later on the same
+    CTAs, so it waits a bounded time and sums their groups itself. It finishes, with the same bits."""
+    monkeypatch.setattr(select, "force_heads_per_item", 1)  # 16 groups whatever the grid
+    real_plan = select.plan_launch
+
+    def plan_sharing_anyway(*args, **kwargs):
+        p = real_plan(*args, **kwargs)
+        return dataclasses.replace(p, share_stats=p.stat_col_groups == p.head_groups > 1)
+
+    gen = torch.Generator(device=DEV).manual_seed(int.from_bytes(os.urandom(4), "little"))
+    x, k, v, g, b, m = make_inputs(torch.bfloat16, 2, 128, 300, 16, 64, gen=gen)  # not the one-tile kernel
+    seen = _launched_statistics(monkeypatch)
+    y = fused(x, k, v, g, b, m, "layer")
+    monkeypatch.setattr(select, "plan_launch", plan_sharing_anyway)
+    codegen.call_plans.clear()
+    codegen._plans.clear()
+    late = fused(x, k, v, g, b, m, "layer", sm_count=1)
+    assert seen[0] == (16, 1) and seen[-1] == (16, 1), seen
+    assert torch.equal(late, y)
+
+
+def test_shared_statistics_launched_on_two_streams_at_once_keep_their_bits(monkeypatch):
+    """The counters that share the statistics are kept per stream (codegen._zeroed_tickets): launches on one stream
+    run one after another and leave them zero, launches on two streams may overlap and use their own. Twenty
+    launches alternating between two streams, none waited for, each equal to the bits of a lone launch."""
+    seen = _launched_statistics(monkeypatch)
+    gen = torch.Generator(device=DEV).manual_seed(int.from_bytes(os.urandom(4), "little"))
+    x, k, v, g, b, m = make_inputs(torch.bfloat16, 3, 130, 300, 16, 64, gen=gen)
+    y = fused(x, k, v, g, b, m, "layer")
+    assert seen[0][0] > 1 and seen[0][1] == 1, seen
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    for s in streams:
+        s.wait_stream(torch.cuda.current_stream())
+    outs = []
+    for i in range(20):
+        with torch.cuda.stream(streams[i % 2]):
+            outs.append(fused(x, k, v, g, b, m, "layer"))
+    torch.cuda.synchronize()
+    assert all(torch.equal(o, y) for o in outs)
+    assert len({key for key in codegen._tickets if key[1] in {s.cuda_stream for s in streams}}) == 2
 
 
 @pytest.mark.parametrize("role", TILE_ROLES)

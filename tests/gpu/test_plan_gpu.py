@@ -114,6 +114,22 @@ def test_stage_takes_the_few_keys_tile_where_its_items_fill_the_gpu(d, H, B, Lq,
             assert ran_few_keys
 
 
+@pytest.mark.parametrize("mean", [0.3, 40.0])
+def test_stage_sums_each_row_whole_where_the_projection_free_kernel_would_share(mean, monkeypatch):
+    """D = 1024 in 16 heads, one wave: the projection-free kernel would share its rows' statistics by column groups,
+    the plan's stage sums each row whole (KernelSpec.grouped_stats: sharing measured slower there) and copies every
+    column of x for the out GEMM (a column left out would show in y)."""
+    seen, real = [], codegen._launch.launch
+
+    def launch_and_record(kernel, grid, stream, pointers, tail, maps=b""):
+        seen.append(tuple(tail[-6:-4]))
+        return real(kernel, grid, stream, pointers, tail, maps)
+
+    monkeypatch.setattr(codegen._launch, "launch", launch_and_record)
+    check(make(torch.bfloat16, "full", "layer", "bool", B=3, Lq=130, H=16, d=64, Lk=300, mean=mean), "layer")
+    assert seen and seen[-1] == (1, 0), seen
+
+
 @pytest.mark.parametrize("norm", ["layer", "rms"])
 def test_large_mean_against_spread(norm):
     """|mean| >> std: folding the norm into Wq subtracts two large numbers; float32 qraw keeps it within 2x eager."""

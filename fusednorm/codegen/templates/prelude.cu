@@ -66,6 +66,18 @@ FN_INLINE void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(
 
 FN_INLINE u32x4 ld_global16(const void* p) { return *reinterpret_cast<const u32x4*>(p); }
 
+// A counter between CTAs of one launch, read with acquire: what its writers published before adding is visible after.
+FN_INLINE int ld_acquire_gpu(const int* p) {
+  int v;
+  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+FN_INLINE unsigned long long global_ns() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(t));
+  return t;
+}
+
 // 4-byte shared loads and stores at computed addresses. volatile keeps them in the order written: a caller that
 // issues its loads before its stores gets them overlapped (plain C++ on one array serializes each load after the
 // previous store, which the compiler cannot prove is to another address).

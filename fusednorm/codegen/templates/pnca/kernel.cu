@@ -162,11 +162,16 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS_PER_SM)
     const bool head_first = ONE_TILE || cur.tile == first_tile(cur);  // compile-time true with ONE_TILE
     const bool head_last = ONE_TILE || cur.tile == end_tile(cur, key_tiles) - 1;
     if (head_first) {  // a new head (the accumulators of the last one are dead here, which saves registers)
-      if (cur.head_in_item == 0 && warp_rows) {  // a new item: statistics of this warp's rows
-        const long long batch_off = (long long)cur.b * p.q_len * p.model_dim;
-        // items of the later head groups hold the same rows: the first group's copies them
-        u16* copy_batch = WRITE_O && p.x_copy != nullptr && cur.head == 0 ? p.x_copy + batch_off : nullptr;
-        row_statistics(p, p.x + batch_off, copy_batch, row0, row_mean, row_rstd, stat_parts, warp, lane);
+      if (cur.head_in_item == 0) {  // a new item: statistics of this warp's rows
+        if (GROUPED_STATS && p.stat_col_groups > 1) {  // every warp: it may hold a CTA barrier
+          grouped_row_statistics(p, cur.b, cur.row_block, cur.head / p.heads_per_item, warp_rows, row0, row_mean,
+                                 row_rstd, lane);
+        } else if (warp_rows) {
+          const long long batch_off = (long long)cur.b * p.q_len * p.model_dim;
+          // items of the later head groups hold the same rows: the first group's copies them
+          u16* copy_batch = WRITE_O && p.x_copy != nullptr && cur.head == 0 ? p.x_copy + batch_off : nullptr;
+          row_statistics(p, p.x + batch_off, copy_batch, row0, row_mean, row_rstd, stat_parts, warp, lane);
+        }
       }
 #pragma unroll
       for (int mt = 0; mt < M_TILES && !ONE_TILE; ++mt) {  // ONE_TILE: attend_tile starts them (Lk >= 1)

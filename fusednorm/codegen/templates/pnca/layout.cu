@@ -53,8 +53,10 @@ struct Params {
   const float* q_b;    // [H * d]: Wq @ beta + bq (Q_FROM_QRAW only)
   u16* x_copy;         // [B, Lq, D] or null (WRITE_O only): x, written by the statistics pass as the out GEMM's C,
                        // which adds the residual in place: the plan then needs no copy kernel (one read of x fewer)
-  float* part;         // [B * row_blocks * H][kv_chunks][16][PART_ROW]: chunks' partial states (kv_chunks > 1)
-  int* tickets;        // [B * row_blocks * H], zero between launches: chunks of a pair done (kv_chunks > 1)
+  float* part;         // [B * row_blocks * H][kv_chunks][16][PART_ROW]: chunks' partial states (kv_chunks > 1);
+                       // with share_stats [stat_col_groups][B * Lq]: the rows' (sum, sum of squares) per column group
+  int* tickets;        // zero at the start, left zero at the end: [B * row_blocks * H], chunks of a pair done
+                       // (kv_chunks > 1); with share_stats [B * row_blocks][2], items arrived and items left
   long long k_sb, k_sh, k_sl;
   long long v_sb, v_sh, v_sl;
   long long m_sb, m_sh, m_sq;  // the key stride is 1 (run_kernel makes it so)
@@ -62,11 +64,13 @@ struct Params {
   int batch, q_len, kv_len, heads, model_dim;
   int heads_per_item, head_groups, row_blocks, items;
   int ones_col;                // WRITE_O: also write [1, 0 x 7] at column H * d of every row
+  int stat_col_groups;         // > 1: row statistics summed in column groups, added in order (statistics.cu)
+  int share_stats;             // with stat_col_groups > 1: an item sums its group's columns, takes the others' (p.part)
   int kv_chunks, chunk_tiles;  // KV_CHUNKED: runs of key tiles per (batch, row block, head), key tiles per run
   float eps;
   float scale_log2;            // the softmax scale times log2(e): scores are exponentiated as exp2(s * scale_log2 - m)
 };
-static_assert(sizeof(Params) == 256, "Params must match the packing in fusednorm/codegen/launch.py");
+static_assert(sizeof(Params) == 264, "Params must match the packing in fusednorm/codegen/launch.py");
 
 // The kernel's second argument: tensor maps of x [B, Lq, D], k and v [B, H, Lk, d] as strided (USE_TMA only; every
 // kernel takes the argument, so that all launch alike), and of y [B, Lq, y_ld]. Boxes of 64 columns by BLOCK_M
