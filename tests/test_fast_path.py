@@ -152,8 +152,9 @@ def test_a_repeated_signature_skips_the_checks_and_launches_with_its_own_pointer
     assert y2.shape == y1.shape == t["x"].shape and y2.dtype == BF16 and y2.is_contiguous()
 
 
-def _record_workspaces(gpu, monkeypatch, ticket_words):
-    """(Params.part, Params.tickets, the first ticket_words tickets' bytes) of every launch, as the kernel meets them."""
+def _two_calls_with_zeroed_tickets(gpu, monkeypatch, ticket_words, **shape):
+    """Two calls of one shape (the second a cached launch), each of which must hand the kernel a Params.part and
+    Params.tickets whose first ticket_words words are zero, as the kernel meets them; their two launches."""
     seen = []
     record = gpu.launch
 
@@ -162,19 +163,18 @@ def _record_workspaces(gpu, monkeypatch, ticket_words):
         record(kernel, grid, stream, pointers, tail, maps)
 
     monkeypatch.setattr(codegen._launch, "launch", launch)
-    return seen
+    for _ in range(2):
+        fused(**inputs(**shape))
+    for part, tickets, ticket_bytes in seen:
+        assert part != 0 and tickets != 0 and ticket_bytes == bytes(4 * ticket_words)
+    return gpu.launches
 
 
 def test_decode_at_batch_one_launches_runs_of_keys_with_zeroed_tickets(gpu, monkeypatch):
     """20 (batch, head) pairs on 132 SMs: each pair's 8 key tiles go to 4 CTAs, which need a partial-state
     workspace and one zeroed ticket per pair (Params.part, Params.tickets: the last two pointers); the tail carries
     the runs and their key tiles, the grid one CTA per run. Cached launch or not, every call gets zeroed tickets."""
-    seen = _record_workspaces(gpu, monkeypatch, ticket_words=20)
-    for _ in range(2):
-        fused(**inputs(B=1, Lq=1, Lk=1500, H=20))
-    for part, tickets, ticket_bytes in seen:
-        assert part != 0 and tickets != 0 and ticket_bytes == bytes(80)
-    first, second = gpu.launches
+    first, second = _two_calls_with_zeroed_tickets(gpu, monkeypatch, 20, B=1, Lq=1, Lk=1500, H=20)
     assert first.tail[-4:-2] == (4, 2) == second.tail[-4:-2] and first.grid == 80  # runs, key tiles per run
     wide = fused(**inputs(B=64, Lq=1, Lk=1500, H=20))
     assert gpu.launches[-1].pointers[12:] == (0, 0) and gpu.launches[-1].tail[-4] == 1 and wide.shape[0] == 64
@@ -185,12 +185,7 @@ def test_shared_statistics_get_zeroed_counters_and_a_sums_workspace_on_every_cal
     the base tile) shares its rows' statistics: two zeroed counters per (batch, row block) and the groups' sums of
     every row (Params.tickets, Params.part); the tail carries the groups and the sharing. Every call gets zeroed
     counters."""
-    seen = _record_workspaces(gpu, monkeypatch, ticket_words=4)
-    for _ in range(2):
-        fused(**inputs(B=2, Lq=64, Lk=100, H=16))
-    for part, tickets, counter_bytes in seen:
-        assert part != 0 and tickets != 0 and counter_bytes == bytes(16)
-    first, second = gpu.launches
+    first, second = _two_calls_with_zeroed_tickets(gpu, monkeypatch, 4, B=2, Lq=64, Lk=100, H=16)
     assert first.tail[-6:-4] == (16, 1) == second.tail[-6:-4] and first.grid == 32
     narrow = fused(**inputs(B=2, Lq=64, Lk=100, H=4))  # D = 256: one pass per row
     assert gpu.launches[-1].pointers[12:] == (0, 0) and gpu.launches[-1].tail[-6:-4] == (1, 0)
