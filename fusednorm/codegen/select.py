@@ -107,11 +107,12 @@ def plan_launch(role: str, tile: TileConfig, batch: int, q_len: int, kv_len: int
     items *= chunks
     grid = min(items, sm_count * ctas_per_sm)
     plan = LaunchPlan(role, g, groups, row_blocks, items, grid, chunks, chunk_tiles)
-    if device_sms is not None and device_sms != sm_count:  # the statistics' groups follow the whole device
+    if not grouped_stats:
+        return plan
+    full = plan  # the statistics' groups follow the whole device
+    if device_sms is not None and device_sms != sm_count:
         full = plan_launch(role, tile, batch, q_len, kv_len, heads, head_dim, device_sms, ctas_per_sm)
-    else:
-        full = plan
-    col_groups = grouped_statistics(full, model_dim or heads * head_dim) if grouped_stats else 1
+    col_groups = grouped_statistics(full, model_dim or heads * head_dim)
     share = col_groups > 1 and groups == col_groups and items <= grid
     return replace(plan, stat_col_groups=col_groups, share_stats=share)
 

@@ -107,6 +107,24 @@ FN_INLINE void add_chunk_sums(const u32x4& va, const u32x4& vb, u32 ones, float 
   mma_16816(sq_hi, a1, a1[1], a1[3]);
 }
 
+// Rows g and g + 8 of 16: mean and 1/std from their sums and sums of squares over D columns (biased variance, or
+// mean(x^2) for RMS), stored by lane t = 0 of the quad; true if either row needs the exact pass (NaN/Inf rows compare
+// false and stay here: they come out non-finite either way).
+FN_INLINE bool store_row_statistics(const Params& p, float sum_a, float ss_a, float sum_b, float ss_b, float* mean_s,
+                                    float* rstd_s, int lane) {
+  const int g = lane >> 2;
+  const float inv_d = 1.f / (float)p.model_dim;
+  const float mean_a = NORM_IS_RMS ? 0.f : sum_a * inv_d, mean_b = NORM_IS_RMS ? 0.f : sum_b * inv_d;
+  const float var_a = fmaf(-mean_a, mean_a, ss_a * inv_d), var_b = fmaf(-mean_b, mean_b, ss_b * inv_d);
+  if ((lane & 3) == 0) {
+    mean_s[g] = mean_a;
+    rstd_s[g] = rsqrtf(fmaxf(var_a, 0.f) + p.eps);
+    mean_s[g + 8] = mean_b;
+    rstd_s[g + 8] = rsqrtf(fmaxf(var_b, 0.f) + p.eps);
+  }
+  return !NORM_IS_RMS && (mean_a * mean_a > 16.f * var_a || mean_b * mean_b > 16.f * var_b);
+}
+
 FN_INLINE void row_statistics(const Params& p, const u16* x_batch, u16* copy_batch, int row0, float* mean_s,
                               float* rstd_s, float* partial_s, int warp, int lane) {
   const int D = p.model_dim, g = lane >> 2, t = lane & 3;
@@ -164,17 +182,7 @@ FN_INLINE void row_statistics(const Params& p, const u16* x_batch, u16* copy_bat
         sum_a += pa.x; ss_a += pa.y; sum_b += pb.x; ss_b += pb.y;
       }
     }
-    const float inv_d = 1.f / (float)D;
-    const float mean_a = NORM_IS_RMS ? 0.f : sum_a * inv_d, mean_b = NORM_IS_RMS ? 0.f : sum_b * inv_d;
-    const float var_a = fmaf(-mean_a, mean_a, ss_a * inv_d), var_b = fmaf(-mean_b, mean_b, ss_b * inv_d);
-    if constexpr (!NORM_IS_RMS)  // NaN/Inf rows compare false and stay here: they come out non-finite either way
-      redo |= mean_a * mean_a > 16.f * var_a || mean_b * mean_b > 16.f * var_b;
-    if (t == 0) {  // biased variance, or mean(x^2) for RMS
-      mean_s[mt * 16 + g] = mean_a;
-      rstd_s[mt * 16 + g] = rsqrtf(fmaxf(var_a, 0.f) + p.eps);
-      mean_s[mt * 16 + g + 8] = mean_b;
-      rstd_s[mt * 16 + g + 8] = rsqrtf(fmaxf(var_b, 0.f) + p.eps);
-    }
+    redo |= store_row_statistics(p, sum_a, ss_a, sum_b, ss_b, mean_s + mt * 16, rstd_s + mt * 16, lane);
   }
   __syncwarp();
   if (__any_sync(FULL_WARP, redo)) row_statistics_exact(p, x_batch, row0, mean_s, rstd_s, lane);
@@ -324,16 +332,7 @@ FN_INLINE void grouped_row_statistics(const Params& p, int b, int row_block, int
   }
   if (p.share_stats && threadIdx.x == 0) leave(words, G);  // (warp 0 has its sums: nothing else waits on this)
   if (!warp_rows) return;
-  const float inv_d = 1.f / (float)D;  // from here on as the fast pass
-  const float mean_a = NORM_IS_RMS ? 0.f : sum_a * inv_d, mean_b = NORM_IS_RMS ? 0.f : sum_b * inv_d;
-  const float var_a = fmaf(-mean_a, mean_a, ss_a * inv_d), var_b = fmaf(-mean_b, mean_b, ss_b * inv_d);
-  const bool redo = !NORM_IS_RMS && (mean_a * mean_a > 16.f * var_a || mean_b * mean_b > 16.f * var_b);
-  if ((lane & 3) == 0) {
-    mean_s[g] = mean_a;
-    rstd_s[g] = rsqrtf(fmaxf(var_a, 0.f) + p.eps);
-    mean_s[g + 8] = mean_b;
-    rstd_s[g + 8] = rsqrtf(fmaxf(var_b, 0.f) + p.eps);
-  }
+  const bool redo = store_row_statistics(p, sum_a, ss_a, sum_b, ss_b, mean_s, rstd_s, lane);  // as the fast pass
   __syncwarp();
   if (__any_sync(FULL_WARP, redo)) row_statistics_exact(p, p.x + batch_off, row0, mean_s, rstd_s, lane);
 }
