@@ -645,6 +645,48 @@ def test_the_ctypes_launch_is_used_and_a_failure_goes_to_the_binding(monkeypatch
     assert bound_calls == ["fn"] and launch.launch_count == before + 2
 
 
+def test_sm90_kernels_launch_programmatically_and_a_refusal_falls_back_to_the_plain_launch(monkeypatch):
+    """cuLaunchKernelEx with programmatic stream serialization (the kernel may start while the one before it ends)
+    for kernels built for sm_90 on; the plain launch for older archs, with the switch off, and for good once the
+    driver refuses the attribute."""
+    ex_calls, plain_calls = [], []
+
+    def raw_ex(config_address, handle, argv, extra):
+        config = launch._LaunchConfig.from_address(config_address)
+        attribute = launch._LaunchAttribute.from_address(config.attrs)
+        ex_calls.append((handle, tuple(config.grid), tuple(config.block), config.smem_bytes, config.stream,
+                         config.num_attrs, attribute.id, attribute.value,
+                         ctypes.string_at(ctypes.c_void_p.from_address(argv).value, launch.PARAMS.size)))
+        return ex_result[0]
+
+    def raw(handle, gx, gy, gz, bx, by, bz, smem, stream, argv, extra):
+        plain_calls.append((handle, gx, bx, smem, stream))
+        return 0
+
+    ex_result = [0]
+    monkeypatch.setattr(launch, "_raw_launch", raw)
+    monkeypatch.setattr(launch, "_raw_launch_ex", raw_ex)
+    sm90, sm80 = (SimpleNamespace(function="fn", handle=0xABC, threads=256, smem_bytes=99000, device_index=0,
+                                  spec=SimpleNamespace(key="k", arch=arch)) for arch in (90, 80))
+    tail = tuple(range(1, 26)) + (1e-5, 0.18)
+    pointers = tuple(range(500, 500 + launch.POINTERS))
+    before = launch.launch_count
+    launch.launch(sm90, 264, 77, pointers, tail)
+    assert ex_calls == [(0xABC, (264, 1, 1), (256, 1, 1), 99000, 77, 1,
+                         launch._CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, 1,
+                         launch.PARAMS.pack(*pointers, *tail))] and plain_calls == []
+    launch.launch(sm80, 7, 77, pointers, tail)
+    monkeypatch.setattr(launch, "programmatic_launch", False)
+    launch.launch(sm90, 9, 77, pointers, tail)
+    assert len(ex_calls) == 1 and plain_calls == [(0xABC, 7, 256, 99000, 77), (0xABC, 9, 256, 99000, 77)]
+    monkeypatch.setattr(launch, "programmatic_launch", True)
+    ex_result[0] = 1  # CUDA_ERROR_INVALID_VALUE: this driver takes no such attribute
+    launch.launch(sm90, 11, 77, pointers, tail)
+    launch.launch(sm90, 12, 77, pointers, tail)
+    assert len(ex_calls) == 2 and plain_calls[2:] == [(0xABC, 11, 256, 99000, 77), (0xABC, 12, 256, 99000, 77)]
+    assert launch._raw_launch_ex is None and launch.launch_count == before + 5
+
+
 def test_the_prebuilt_plan_stages_are_the_ones_the_plan_asks_for(gpu):
     """bench/prebuild_kernels.py lists the plan's stage kernels by hand (tests/gpu/kernel_specs.py); the kernel
     families the plan really asks for, for each projection variant, norm and mask, must be among them."""

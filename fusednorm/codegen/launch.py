@@ -1,6 +1,6 @@
 """Load cubins into torch's CUDA context (once per kernel key and device) and launch them with the driver API on
 torch's current stream. The per-call path is kept thin: one struct pack into a per-thread buffer, one
-cuLaunchKernel."""
+cuLaunchKernel (cuLaunchKernelEx for sm_90 kernels: a programmatic launch, see programmatic_launch)."""
 from __future__ import annotations
 
 import ctypes
@@ -90,8 +90,27 @@ def load(compiled: CompiledKernel, device_index: int) -> LoadedKernel:
         return loaded
 
 
+# Programmatic dependent launch: an sm_90 kernel is launched so that it may start while the kernel before it in the
+# stream finishes (its CTAs resident and set up when that one ends); the kernel waits before it touches global
+# memory (templates/prelude.cu: wait_for_prior_grid). Benchmarks switch it off to compare.
+programmatic_launch = True
+PROGRAMMATIC_MIN_ARCH = 90
+_CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
+
+
+class _LaunchAttribute(ctypes.Structure):  # CUlaunchAttribute: an id, then a 64-byte union (here an int)
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int),
+                ("value_pad", ctypes.c_char * 60)]
+
+
+class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig
+    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("smem_bytes", ctypes.c_uint),
+                ("stream", ctypes.c_void_p), ("attrs", ctypes.c_void_p), ("num_attrs", ctypes.c_uint)]
+
+
 class _LaunchArgs(threading.local):
-    """The Params and TmaMaps buffers and the argv pointing at them, made once per thread instead of once per launch.
+    """The Params and TmaMaps buffers and the argv pointing at them, made once per thread instead of once per launch
+    (and the launch configuration of a programmatic launch).
 
     cuLaunchKernel copies the parameters before it returns, so the next launch may overwrite them. It runs
     without the GIL, so a buffer shared between threads could be rewritten by another thread mid-launch: hence
@@ -103,28 +122,48 @@ class _LaunchArgs(threading.local):
         self.maps = ctypes.create_string_buffer(MAPS_BYTES)  # left as it is for kernels that do not read it
         self.argv = (ctypes.c_void_p * 2)(ctypes.addressof(self.params), ctypes.addressof(self.maps))
         self.argv_address = ctypes.addressof(self.argv)
+        self.attribute = _LaunchAttribute(_CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, b"", 1)
+        self.config = _LaunchConfig((1, 1, 1), (1, 1, 1), 0, None, ctypes.addressof(self.attribute), 1)
+        self.config_address = ctypes.addressof(self.config)
 
 
 _args = _LaunchArgs()
 _cu = None  # cuda.bindings.driver, bound on the first launch (an import statement per call costs ~1 µs)
 _UNSET = object()
 _raw_launch = _UNSET  # libcuda's cuLaunchKernel through ctypes, or None where libcuda cannot be opened
+_raw_launch_ex = None  # and its cuLaunchKernelEx (programmatic launches), None once one has failed
 
 
 def _libcuda_launch():
     """cuLaunchKernel called through ctypes: a few µs less per launch than the cuda-python binding, which wraps
     every argument in its own types. The cuda-python binding stays the fallback and reports errors by name."""
-    global _raw_launch
+    global _raw_launch, _raw_launch_ex
     try:
-        fn = ctypes.CDLL("libcuda.so.1").cuLaunchKernel
+        lib = ctypes.CDLL("libcuda.so.1")
+        fn, fn_ex = lib.cuLaunchKernel, getattr(lib, "cuLaunchKernelEx", None)
     except (OSError, AttributeError):
-        fn = None
+        fn = fn_ex = None
     else:
         u = ctypes.c_uint
         fn.argtypes = [ctypes.c_void_p, u, u, u, u, u, u, u, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
         fn.restype = ctypes.c_int
-    _raw_launch = fn
+        if fn_ex is not None:
+            fn_ex.argtypes = [ctypes.c_void_p] * 4
+            fn_ex.restype = ctypes.c_int
+    _raw_launch, _raw_launch_ex = fn, fn_ex
     return fn
+
+
+def _launch_programmatic(kernel: LoadedKernel, grid: int, stream: int, args: _LaunchArgs) -> bool:
+    """cuLaunchKernelEx with programmatic stream serialization; False (and never tried again) if the driver
+    refuses it, so that the plain launch runs instead and reports any error that is not about this attribute."""
+    global _raw_launch_ex
+    config = args.config
+    config.grid[0], config.block[0], config.smem_bytes, config.stream = grid, kernel.threads, kernel.smem_bytes, stream
+    if _raw_launch_ex(args.config_address, kernel.handle, args.argv_address, None) == 0:
+        return True
+    _raw_launch_ex = None
+    return False
 
 
 def _driver():
@@ -146,6 +185,10 @@ def launch(kernel: LoadedKernel, grid: int, stream: int, pointers: tuple, tail: 
         ctypes.memmove(args.maps, maps, MAPS_BYTES)
     argv = args.argv_address
     raw = _raw_launch if _raw_launch is not _UNSET else _libcuda_launch()
+    if (programmatic_launch and _raw_launch_ex is not None and kernel.spec.arch >= PROGRAMMATIC_MIN_ARCH
+            and _launch_programmatic(kernel, grid, stream, args)):
+        launch_count += 1
+        return
     if raw is not None and raw(kernel.handle, grid, 1, 1, kernel.threads, 1, 1, kernel.smem_bytes, stream, argv,
                                None) == 0:
         launch_count += 1

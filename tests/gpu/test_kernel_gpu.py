@@ -448,6 +448,37 @@ def test_works_under_cuda_graph_capture():
     assert not torch.equal(out, expected)
 
 
+@pytest.mark.parametrize("Lk", [77, 300])
+def test_a_programmatic_launch_waits_for_the_kernel_before_it(Lk, monkeypatch):
+    """On sm_90 the kernel may start while the kernel before it in the stream ends (launch.programmatic_launch), so
+    it must wait for that kernel before it reads its input or writes its output. Here the kernel right before
+    writes x, and the one before that reads the memory y is then given; both behind a GPU spin, so that every
+    launch is queued before the first runs. The bits must be those of a launch after a synchronize, the sums read
+    must be whole, and a launch without the attribute gives the same bits."""
+    codegen.poison_outputs = False  # a fill of y would be the kernel right before
+    gen = torch.Generator(device=DEV).manual_seed(int.from_bytes(os.urandom(4), "little"))
+    x, k, v, g, b, m = make_inputs(torch.bfloat16, 4, 300, Lk, 16, 64, mask="bool", gen=gen)
+    expected = fused(x, k, v, g, b, m, "layer")
+    torch.cuda.synchronize()
+    tried, real = [], launch._launch_programmatic
+    monkeypatch.setattr(launch, "_launch_programmatic", lambda *a: tried.append(real(*a)) or tried[-1])
+    for _ in range(3):
+        freed = torch.randn(expected.shape, device=DEV, generator=gen).to(expected.dtype)
+        whole = torch.sum(freed, dtype=torch.float32)
+        late_x = torch.full_like(x, float("nan"))
+        torch.cuda.synchronize()
+        torch.cuda._sleep(2_000_000)
+        total = torch.sum(freed, dtype=torch.float32)  # reads the block that y is likely to get
+        del freed
+        late_x.copy_(x)
+        y = fused(late_x, k, v, g, b, m, "layer")
+        assert torch.equal(y, expected) and torch.equal(total, whole)
+    if _arch() >= launch.PROGRAMMATIC_MIN_ARCH:
+        assert tried and all(tried), "the programmatic launch did not run"
+    monkeypatch.setattr(launch, "programmatic_launch", False)
+    assert torch.equal(fused(x, k, v, g, b, m, "layer"), expected)
+
+
 @pytest.mark.parametrize("role", ["few_keys", "base", "long"])
 @pytest.mark.parametrize("d", [64, 128])
 def test_operand_layouts(role, d, monkeypatch, tile_set):

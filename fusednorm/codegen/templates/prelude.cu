@@ -240,6 +240,21 @@ FN_INLINE void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: 
 FN_INLINE void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
 FN_INLINE void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
 
+// ---- programmatic dependent launch (sm_90) ----
+// A kernel launched with it (launch.py) may start while the kernel before it in the stream is still finishing, so
+// its CTAs are resident and set up when that one ends. Nothing in global memory may be read or written before this
+// wait returns: the kernel before may still write the inputs, or read what becomes the output. The wait returns at
+// once in a kernel launched without it. The tensor maps live in the kernel's parameters, which nothing writes:
+// fetching them early is safe.
+FN_INLINE void wait_for_prior_grid() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+FN_INLINE void prefetch_tensormap(const TensorMap* map) {
+  asm volatile("prefetch.tensormap [%0];\n" ::"l"(map) : "memory");
+}
+
 // ---- math ----
 
 // 2^x with the MUFU unit; ex2.approx(-inf) is +0, which the masked softmax relies on.

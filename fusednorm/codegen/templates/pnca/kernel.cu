@@ -125,9 +125,13 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS_PER_SM)
 #pragma unroll
       for (int s = 0; s < STAGES; ++s) mbar_init(bars + s * 8, 1);  // one arrival: the thread that arms it
       fence_mbar_init();
+      prefetch_tensormap(&maps.x);  // the first bulk copies' maps, fetched while the kernel before may still run
+      prefetch_tensormap(&maps.k);
+      prefetch_tensormap(&maps.v);
     }
     __syncthreads();
   }
+  wait_for_prior_grid();  // from here on global memory is this launch's (see prelude.cu)
 
   const int key_tiles = ONE_TILE ? 1 : (p.kv_len + KV_ROWS - 1) / KV_ROWS;
   bool bad = false;
