@@ -680,11 +680,14 @@ def test_sm90_kernels_launch_programmatically_and_a_refusal_falls_back_to_the_pl
     launch.launch(sm90, 9, 77, pointers, tail)
     assert len(ex_calls) == 1 and plain_calls == [(0xABC, 7, 256, 99000, 77), (0xABC, 9, 256, 99000, 77)]
     monkeypatch.setattr(launch, "programmatic_launch", True)
+    ex_result[0] = 201  # CUDA_ERROR_INVALID_CONTEXT: a new thread; the plain launch makes the context current
+    launch.launch(sm90, 10, 77, pointers, tail)
+    assert len(ex_calls) == 2 and plain_calls[2:] == [(0xABC, 10, 256, 99000, 77)] and launch._raw_launch_ex is raw_ex
     ex_result[0] = 1  # CUDA_ERROR_INVALID_VALUE: this driver takes no such attribute
     launch.launch(sm90, 11, 77, pointers, tail)
     launch.launch(sm90, 12, 77, pointers, tail)
-    assert len(ex_calls) == 2 and plain_calls[2:] == [(0xABC, 11, 256, 99000, 77), (0xABC, 12, 256, 99000, 77)]
-    assert launch._raw_launch_ex is None and launch.launch_count == before + 5
+    assert len(ex_calls) == 3 and plain_calls[3:] == [(0xABC, 11, 256, 99000, 77), (0xABC, 12, 256, 99000, 77)]
+    assert launch._raw_launch_ex is None and launch.launch_count == before + 6
 
 
 def test_the_prebuilt_plan_stages_are_the_ones_the_plan_asks_for(gpu):

@@ -92,10 +92,11 @@ def load(compiled: CompiledKernel, device_index: int) -> LoadedKernel:
 
 # Programmatic dependent launch: an sm_90 kernel is launched so that it may start while the kernel before it in the
 # stream finishes (its CTAs resident and set up when that one ends); the kernel waits before it touches global
-# memory (templates/prelude.cu: wait_for_prior_grid). Benchmarks switch it off to compare.
+# memory (templates/prelude.cu: wait_for_prior_grid). False: every kernel launched plainly (to compare).
 programmatic_launch = True
 PROGRAMMATIC_MIN_ARCH = 90
 _CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
+_CUDA_ERROR_INVALID_CONTEXT = 201
 
 
 class _LaunchAttribute(ctypes.Structure):  # CUlaunchAttribute: an id, then a 64-byte union (here an int)
@@ -155,14 +156,18 @@ def _libcuda_launch():
 
 
 def _launch_programmatic(kernel: LoadedKernel, grid: int, stream: int, args: _LaunchArgs) -> bool:
-    """cuLaunchKernelEx with programmatic stream serialization; False (and never tried again) if the driver
-    refuses it, so that the plain launch runs instead and reports any error that is not about this attribute."""
+    """cuLaunchKernelEx with programmatic stream serialization. False if it fails, so that the plain launch runs
+    instead and reports any error that is not about this attribute; never tried again after a failure other than
+    a thread without a current context (which the plain launch sets up)."""
     global _raw_launch_ex
     config = args.config
-    config.grid[0], config.block[0], config.smem_bytes, config.stream = grid, kernel.threads, kernel.smem_bytes, stream
-    if _raw_launch_ex(args.config_address, kernel.handle, args.argv_address, None) == 0:
+    config.grid[0], config.block[0] = grid, kernel.threads
+    config.smem_bytes, config.stream = kernel.smem_bytes, stream
+    err = _raw_launch_ex(args.config_address, kernel.handle, args.argv_address, None)
+    if err == 0:
         return True
-    _raw_launch_ex = None
+    if err != _CUDA_ERROR_INVALID_CONTEXT:
+        _raw_launch_ex = None
     return False
 
 
