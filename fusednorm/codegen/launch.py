@@ -132,7 +132,7 @@ _args = _LaunchArgs()
 _cu = None  # cuda.bindings.driver, bound on the first launch (an import statement per call costs ~1 µs)
 _UNSET = object()
 _raw_launch = _UNSET  # libcuda's cuLaunchKernel through ctypes, or None where libcuda cannot be opened
-_raw_launch_ex = None  # and its cuLaunchKernelEx (programmatic launches), None once one has failed
+_raw_launch_ex = None  # and its cuLaunchKernelEx (programmatic launches), None once the driver refused one
 
 
 def _libcuda_launch():
