@@ -9,8 +9,8 @@
 #   the norm's parameters as x's type or fp32), sanitize, ncu and choice
 #   (bench/kernel_choice.py: what the default kernel="auto" picks against kernel and Inductor) run only when STEPS
 #   names them.
-#   OUT=<dir> [STEPS="gpu bench cpu models"] [SWEEP_SHAPES=t5_dec,...] [SWEEP_CHUNKS=1,2,4,8] [SWEEP_FORM=proj] \
-#     [NCU_SHAPES="seed sdxl64"] [ABLATE_VARIANTS=stats_keep,...: ablate times L2-policy variants] \
+#   OUT=<dir> [STEPS="gpu bench cpu models"] [SWEEP_SHAPES=t5_dec,...] [SWEEP_CHUNKS=1,2,4,8] [SWEEP_GROUPS=16,4] \
+#     [SWEEP_FORM=proj] [NCU_SHAPES="seed sdxl64"] [ABLATE_VARIANTS=stats_keep,...: ablate times L2-policy variants] \
 #     bash bench/device_run.sh
 #   (models: MODELS=t5,torch MODEL_VARIANTS=inductor,fusednorm_plan,inductor_cg,fusednorm_plan_cg MODELS_TIMEOUT=...)
 #   (ab: AB_SHAPES=sd15_64 AB_ONLY=<tokens> AB_BASE_ONLY=<tokens> AB_FORMS="noproj proj", against ab_base/ if present)
@@ -52,7 +52,7 @@ for step in $STEPS; do
         echo "== this tree, $form, run $rep"; timeout 150 python3 bench/bench_block.py --form $form --shapes ${!shapes:-t5_dec} --no-inductor --out "$OUT/ab_new_$form$rep" 2>&1 | tee "$OUT/abblock_new_$form$rep.log" | grep '^| [a-z]'
         [ -d ab_base ] && { echo "== ab_base, $form, run $rep"; FUSEDNORM_CACHE_DIR=/tmp/fnk_ab_base timeout 150 python3 ab_base/bench/bench_block.py --form $form --shapes ${!shapes:-t5_dec} --no-inductor --out "$OUT/ab_base_$form$rep" 2>&1 | tee "$OUT/abblock_base_$form$rep.log" | grep '^| [a-z]'; }
       done; done ;;
-    sweep) timeout 240 python3 bench/sweep_tiles.py ${SWEEP_SHAPES:+--shapes $SWEEP_SHAPES} ${SWEEP_ONLY:+--only $SWEEP_ONLY} ${SWEEP_CHUNKS:+--chunks $SWEEP_CHUNKS} ${SWEEP_FORM:+--form $SWEEP_FORM} 2>&1 | tee "$OUT/sweep.log" | tail -40 ;;
+    sweep) timeout 240 python3 bench/sweep_tiles.py ${SWEEP_SHAPES:+--shapes $SWEEP_SHAPES} ${SWEEP_ONLY:+--only $SWEEP_ONLY} ${SWEEP_CHUNKS:+--chunks $SWEEP_CHUNKS} ${SWEEP_GROUPS:+--groups $SWEEP_GROUPS} ${SWEEP_FORM:+--form $SWEEP_FORM} 2>&1 | tee "$OUT/sweep.log" | tail -40 ;;
     sanitize) for tool in memcheck racecheck; do
         timeout 100 compute-sanitizer --tool $tool python3 tests/gpu/sanitize_kernels.py > "$OUT/$tool.log" 2>&1
         echo "$tool: exit $?, $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/$tool.log")"

@@ -151,8 +151,8 @@ def time_forced(form, t, ref, knob, values):
         us = graph_time_us(form.fused, [t], min_total_s=0.1)
         p = next(iter(codegen._plans.values()))
         print(f"  {'planned' if value is None else 'forced'}: G {p.heads_per_item:2d} groups {p.head_groups:2d} runs "
-              f"{p.kv_chunks:2d} of {p.chunk_tiles:2d} key tiles, items {p.items:5d} grid {p.grid:4d} {us:8.1f} us  "
-              f"rel diff {diff:.1e}", flush=True)
+              f"{p.kv_chunks:2d} of {p.chunk_tiles:2d} key tiles, items {p.items:5d} grid {p.grid:4d} stat groups "
+              f"{p.stat_col_groups}{' shared' if p.share_stats else ''} {us:8.1f} us  rel diff {diff:.1e}", flush=True)
     setattr(select, knob, None)
     codegen.forget_loaded_kernels()
 
