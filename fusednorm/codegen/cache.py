@@ -127,7 +127,7 @@ def get_kernel(spec: KernelSpec, directory: Path | None = None) -> CompiledKerne
         from filelock import FileLock
 
         directory.mkdir(parents=True, exist_ok=True)
-        source = render(spec)
+        source = spec.source() if hasattr(spec, "source") else render(spec)  # skinny.SkinnySpec renders itself
         fp = fingerprint(source, spec.arch)
         path = entry_path(spec, directory)
         with FileLock(str(path) + ".lock"):
@@ -140,7 +140,7 @@ def get_kernel(spec: KernelSpec, directory: Path | None = None) -> CompiledKerne
     from ..inspect.kernels import record_kernel  # dumps, traces and explain show what was built
 
     record_kernel(spec.key, source, compile_options(spec.arch),
-                  {**kernel.usage.as_dict(), "dynamic_smem": spec.smem_bytes}, cached=kernel.from_disk)
+                  {**kernel.usage.as_dict(), "dynamic_smem": spec.smem_bytes()}, cached=kernel.from_disk)
     return kernel
 
 
