@@ -2,12 +2,11 @@
 
     PYTHONPATH=. python bench/probe_skinny.py [--dims 1280] [--rows 1,16,64]
 
-The plan's Q GEMM (x @ Wq'^T, float32 out) and out GEMM (y += [o, 1] @ [Wo, bo]^T): cuBLAS ran them at a fifth of
-the copy rate at 64 rows (docs/PERF.md, twenty-eighth run). Printed per row count: µs by CUDA-graph replay
-(bench_block.graph_time_us; one input set, so the weights stay in L2), the weights' bytes at the copy rate beside
-them, for cuBLAS's forms (the plan's, the transposed problem W @ x^T, K split into S parts summed after) and
-fusednorm's skinny GEMM (codegen/skinny.py, sm_90). Then the decode block of the projection benchmark through the
-plan, with the skinny GEMM and with cuBLAS (skinny.enabled), alternating.
+The plan's Q GEMM (x @ Wq'^T, float32 out) and out GEMM (y += [o, 1] @ [Wo, bo]^T) run as cuBLAS picks them; at
+64 rows cuBLAS ran them at a fifth of the copy rate (docs/PERF.md, twenty-eighth run). Printed per row count: µs
+by CUDA-graph replay (bench_block.graph_time_us; one input set, so the weights stay in L2), the weights' bytes at
+the copy rate beside them, for the plan's forms, the transposed problem (W @ x^T), and K split into S parts
+summed after (a batched GEMM and a sum).
 """
 from __future__ import annotations
 
@@ -18,8 +17,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_block import ProjForm, copy_bandwidth_gbs, graph_time_us  # noqa: E402
-from fusednorm.codegen import skinny  # noqa: E402
+from bench_block import copy_bandwidth_gbs, graph_time_us  # noqa: E402
 
 
 def forms(x, w, w_t, o_aug, wo_aug_t, y):
@@ -31,9 +29,6 @@ def forms(x, w, w_t, o_aug, wo_aug_t, y):
         "q: W @ x^T, fp32 out": lambda: torch.mm(w, x.t(), out_dtype=torch.float32),
         "o: addmm_ in place, K + 8 (plan)": lambda: y.addmm_(o_aug, wo_aug_t),
     }
-    if skinny.why_not(x, w) is None:
-        out["q: fusednorm skinny, fp32 out"] = lambda: skinny.gemm_f32_out(x, w)
-        out["o: fusednorm skinny, add into y"] = lambda: skinny.gemm_add_into(y, o_aug, wo_aug_t.t())
     for s in (2, 4, 8):
         if K % s == 0:
             xs, ws = x.view(M, s, K // s).transpose(0, 1), w_t.view(s, K // s, -1)
@@ -64,23 +59,6 @@ def main():
                     print(f"  {name:36s} {graph_time_us(lambda: fn(), [{}]):7.1f} us", flush=True)
                 except Exception as e:  # noqa: BLE001 - a form this torch lacks is reported, not fatal
                     print(f"  {name:36s} failed: {type(e).__name__}: {str(e)[:100]}", flush=True)
-    time_decode_plan()
-
-
-def time_decode_plan(rounds=3):
-    form = ProjForm()
-    shape = form.shapes["whisper_dec"]
-    t = form.make_inputs(shape, torch.bfloat16, torch.Generator(device="cuda").manual_seed(0))
-    eager = form.eager(**t).double()
-    print(f"decode block {shape} on the plan, µs (rel diff to eager):", flush=True)
-    for _ in range(rounds):
-        for on in (True, False):
-            skinny.enabled = on
-            y = form.fused(**t)
-            diff = ((y.double() - eager).norm() / eager.norm()).item()
-            us = graph_time_us(form.fused, [t])
-            print(f"  {'skinny GEMMs' if on else 'cuBLAS GEMMs':14s} {us:7.1f}  ({diff:.1e})", flush=True)
-    skinny.enabled = True
 
 
 if __name__ == "__main__":

@@ -117,4 +117,5 @@ def test_a_real_compile_lands_in_the_dump_with_its_resources(tmp_path, monkeypat
     assert meta["key"] == SPEC.key and meta["cached"] is False
     assert meta["resources"]["registers"] == kernel.usage.registers > 0
     assert meta["resources"]["spill_stores"] == 0
+    assert meta["resources"]["dynamic_smem"] == SPEC.smem_bytes() > 0  # the bytes, not the method's repr
     assert any("sm_90" in o for o in meta["options"])

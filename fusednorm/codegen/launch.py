@@ -78,12 +78,9 @@ def load(compiled: CompiledKernel, device_index: int) -> LoadedKernel:
         (err,) = cu.cuFuncSetAttribute(
             function, cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem)
         _check(err, f"cuFuncSetAttribute(max dynamic shared memory = {smem} bytes)")
-        threads = compiled.spec.threads
+        threads = compiled.spec.tile.threads
         err, ctas = cu.cuOccupancyMaxActiveBlocksPerMultiprocessor(function, threads, smem)
-        if err != cu.CUresult.CUDA_SUCCESS and getattr(compiled.spec, "cluster_size", 1) > 1:
-            ctas = 1  # a kernel of compile-time clusters (skinny.py) may have no per-CTA answer; none is needed
-        else:
-            _check(err, "cuOccupancyMaxActiveBlocksPerMultiprocessor")
+        _check(err, "cuOccupancyMaxActiveBlocksPerMultiprocessor")
         if ctas < 1:
             raise KernelLaunchError(f"fusednorm: {compiled.spec.key} does not fit on one SM ({smem} bytes of "
                                     f"shared memory, {compiled.usage.registers} registers x {threads} threads)")
