@@ -432,3 +432,37 @@ def test_why_no_kernel_on_fake_tensors():
     xm = torch.empty(2, 5, 256, dtype=torch.bfloat16, device="meta")
     km = torch.empty(2, 4, 7, 64, dtype=torch.bfloat16, device="meta")
     assert "not on a CUDA device" in why_no_kernel(xm, km, km, None, None, None, "layer")
+
+
+def test_the_plan_refuses_a_model_dim_of_rows_not_whole_16_byte_chunks():
+    """With Wq the model dim D is free (T5's inner dim differs from it); the stage reads x's rows in 16-byte chunks,
+    so D = 204 would read misaligned (an H100 raised 'misaligned address'): the plan says why and the reference
+    runs instead."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from fusednorm.plans import why_no_plan
+
+    with FakeTensorMode():
+        k = torch.empty(2, 4, 7, 64, dtype=torch.bfloat16, device="cuda")
+        for D in (200, 204):
+            x = torch.empty(2, 5, D, dtype=torch.bfloat16, device="cuda")
+            wq = torch.empty(256, D, dtype=torch.bfloat16, device="cuda")
+            wo = torch.empty(D, 256, dtype=torch.bfloat16, device="cuda")
+            reason = why_no_plan(x, k, k, None, None, wq, None, wo, None, None, "layer")
+            if D == 204:
+                assert "model dim 204 is not a multiple of 8" in reason
+            elif not torch.cuda.is_available():
+                assert reason is None
+
+
+def test_projections_inside_the_stage_need_the_key_split_tile():
+    from dataclasses import replace
+
+    spec = KernelSpec("bf16", 64, "layer", False, False, False, "none", False, tile_for("short", 64, 90), 90, False,
+                      q_from_qraw=True, fused_proj=True)
+    assert spec.key == "pnca_bf16_d64_layer_noaff_mnone_qf_fp_t16x48k4_sm90"
+    assert "FUSED_PROJ = true" in render(spec) and "FUSED_PROJ = false" in render(replace(spec, fused_proj=False))
+    for wrong in (dict(tile=tile_for("base", 64, 90)), dict(write_o=True), dict(q_from_qraw=False)):
+        with pytest.raises(ValueError, match="fused_proj"):
+            replace(spec, **wrong)
+    assert any(s.fused_proj for s in GRID), "CI compiles the few-row plan's kernels"

@@ -130,6 +130,24 @@ def test_stage_sums_each_row_whole_where_the_projection_free_kernel_would_share(
     assert seen and seen[-1] == (1, 0), seen
 
 
+def test_a_model_dim_of_rows_not_whole_16_byte_chunks_runs_the_reference_with_a_warning():
+    """D = 204 with Wq [H*d, D]: the stage would read x's rows misaligned; the reference runs instead, warned once."""
+    gen = torch.Generator(device=DEV).manual_seed(204)
+    t = make(torch.bfloat16, "full", "layer", "none", B=2, Lq=3, H=4, d=64, Lk=50, gen=gen)
+    r = lambda *s: torch.randn(*s, device=DEV, generator=gen)  # noqa: E731
+    D, Dq = 204, 256
+    t.update(x=(r(2, 3, D) * 1.5 + 0.3).bfloat16(), gamma=(1 + 0.2 * r(D)).bfloat16(), beta=(0.1 * r(D)).bfloat16(),
+             wq=(r(Dq, D) / D**0.5).bfloat16(), wo=(r(D, Dq) / Dq**0.5).bfloat16(), bo=(0.2 * r(D)).bfloat16())
+    before = launch.launch_count
+    with pytest.warns(fusednorm.FusedNormWarning, match="model dim 204 is not a multiple of 8"):
+        y = OP(*t.values(), "layer", 1e-5)
+    torch.cuda.synchronize()
+    assert launch.launch_count == before
+    err, err_eager = update_error(y, t, "layer", 1e-5), update_error(unfused_block(**t, norm="layer", eps=1e-5,
+                                                                                  scale=None), t, "layer", 1e-5)
+    assert err <= 2 * err_eager + 1e-6
+
+
 @pytest.mark.parametrize("norm", ["layer", "rms"])
 def test_large_mean_against_spread(norm):
     """|mean| >> std: folding the norm into Wq subtracts two large numbers; float32 qraw keeps it within 2x eager."""
