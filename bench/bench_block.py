@@ -12,8 +12,7 @@ of one eager-mode call of ``fusednorm.fused_pre_norm_cross_attn`` (wall clock, n
 ``bench_<form>.json`` and ``bench_<form>.png`` into --out and prints a markdown table last.
 
 A form is the block's variant, with its own shapes and targets: ``noproj`` is x + MHA(norm(x), k, v); ``proj``
-adds the Q and out projections (Wq/bq, Wo/bo; eager = layer_norm -> linear -> SDPA -> linear + x); where the plan
-runs both projections inside its stage (a few query rows), the plan with cuBLAS GEMMs is timed too. Another form
+adds the Q and out projections (Wq/bq, Wo/bo; eager = layer_norm -> linear -> SDPA -> linear + x). Another form
 plugs in by subclassing ``Form`` and adding it to ``FORMS``.
 """
 from __future__ import annotations
@@ -35,7 +34,6 @@ import fusednorm  # noqa: E402
 from fusednorm import codegen  # noqa: E402
 from fusednorm.codegen import launch, select  # noqa: E402
 from fusednorm.codegen.spec import TILE_ROLES  # noqa: E402
-from fusednorm.plans import projections_in_stage  # noqa: E402
 from fusednorm.plans.weights import GraphWeights  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -347,12 +345,6 @@ def main(argv=None):
         before = launch.launch_count
         row["fused_us"] = graph_time_us(form.fused, sets)
         row["fused_kernel_ran"] = launch.launch_count > before
-        if form.name == "proj" and projections_in_stage(sets[0]["x"], sets[0]["wq"], sets[0]["wo"]):
-            codegen.fused_projections = False  # the same block with cuBLAS GEMMs around the stage, to compare
-            try:
-                row["gemm_plan_us"] = graph_time_us(form.fused, sets)
-            finally:
-                codegen.fused_projections = True
         if form.expects_kernel(shape):
             assert row["fused_kernel_ran"], "the fused kernel did not run"
         if args.roles and row["fused_kernel_ran"]:
@@ -385,9 +377,8 @@ def main(argv=None):
     for r in rows:
         s = r["shape"]
         ind = f"{r['inductor_us']:.1f}" if r["inductor_us"] else "-"
-        gemm_plan = f" (cuBLAS GEMM plan {r['gemm_plan_us']:.1f})" if "gemm_plan_us" in r else ""
         print(f"| {r['name']} ({s['B']}, {s['Lq']}, {s['D']}, {s['H']}, {s['Lk']}) | {r['eager_us']:.1f} | {ind} | "
-              f"{r['fused_us']:.1f}{gemm_plan} | {r['floor_us']:.1f} | {r['target_us']} | {r['fused_gbps']:.0f} | "
+              f"{r['fused_us']:.1f} | {r['floor_us']:.1f} | {r['target_us']} | {r['fused_gbps']:.0f} | "
               f"{r['pct_of_floor']:.0f} | {'yes' if r['fused_kernel_ran'] else 'no'} |")
     return 0
 

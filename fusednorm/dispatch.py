@@ -36,8 +36,7 @@ def call_key(x, k, v, gamma, beta, wq, bq, wo, bo, mask, norm, eps, scale, sm_co
     key = _codegen.call_key(x, k, v, gamma, beta, mask, norm, eps, scale, sm_count, check_numerics)
     if wq is None and wo is None:
         return key
-    return key + ("plan", _codegen.fused_projections, _signature(wq), _signature(bq), _signature(wo),
-                  _signature(bo))
+    return key + ("plan", _signature(wq), _signature(bq), _signature(wo), _signature(bo))
 
 
 def run_cuda_cached(x, k, v, gamma, beta, wq, bq, wo, bo, mask, norm, eps, scale, sm_count, check_numerics):

@@ -453,16 +453,3 @@ def test_the_plan_refuses_a_model_dim_of_rows_not_whole_16_byte_chunks():
                 assert "model dim 204 is not a multiple of 8" in reason
             elif not torch.cuda.is_available():
                 assert reason is None
-
-
-def test_projections_inside_the_stage_need_the_key_split_tile():
-    from dataclasses import replace
-
-    spec = KernelSpec("bf16", 64, "layer", False, False, False, "none", False, tile_for("short", 64, 90), 90, False,
-                      q_from_qraw=True, fused_proj=True)
-    assert spec.key == "pnca_bf16_d64_layer_noaff_mnone_qf_fp_t16x48k4_sm90"
-    assert "FUSED_PROJ = true" in render(spec) and "FUSED_PROJ = false" in render(replace(spec, fused_proj=False))
-    for wrong in (dict(tile=tile_for("base", 64, 90)), dict(write_o=True), dict(q_from_qraw=False)):
-        with pytest.raises(ValueError, match="fused_proj"):
-            replace(spec, **wrong)
-    assert any(s.fused_proj for s in GRID), "CI compiles the few-row plan's kernels"

@@ -6,7 +6,6 @@ its own pointers; any other call (new signature, bad input, fallback, input need
 from __future__ import annotations
 
 import ctypes
-import itertools
 import threading
 from types import SimpleNamespace
 
@@ -38,10 +37,10 @@ class FakeGPU:
         self.families: dict[tuple, dict] = {}
 
     def family(self, dtype, d, norm, has_gamma, has_beta, affine_f32, mask_kind, mask_f32, arch, check,
-               device_index, q_from_qraw=False, write_o=False, fused_proj=False):
+               device_index, q_from_qraw=False, write_o=False):
         self.family_calls += 1
         fkey = (dtype, d, norm, has_gamma, has_beta, affine_f32, mask_kind, mask_f32, arch, check, device_index,
-                q_from_qraw, write_o, fused_proj)
+                q_from_qraw, write_o)
         if fkey not in self.families:  # kept alive: run_kernel's plan cache is keyed by id(kernel)
             self.families[fkey] = {
                 role: SimpleNamespace(spec=SimpleNamespace(
@@ -49,7 +48,7 @@ class FakeGPU:
                     grouped_stats=KernelSpec(dtype, d, norm, has_gamma, has_beta, affine_f32, mask_kind, mask_f32,
                                              tile_for(role, d), arch, check, q_from_qraw, write_o).grouped_stats),
                     ctas_per_sm=2, device_index=device_index, threads=128, smem_bytes=0)
-                for role in (("short",) if fused_proj else TILE_ROLES)}
+                for role in TILE_ROLES}
         return self.families[fkey]
 
     def launch(self, kernel, grid, stream, pointers, tail, maps=b""):
@@ -58,7 +57,7 @@ class FakeGPU:
         if self.fill is not None:  # the output lives in host memory here: write it as the kernel would
             ctypes.memmove(pointers[1], self.fill.data_ptr(), self.fill.numel() * self.fill.element_size())
         if pointers[11]:  # the plan's stage copies x (bf16/fp16) for the out GEMM
-            B, Lq, D = tail[12], tail[13], tail[16]
+            B, Lq, D = tail[11], tail[12], tail[15]
             ctypes.memmove(pointers[11], pointers[0], B * Lq * D * 2)
         if self.set_flag and pointers[7]:  # the kernel writes the flag it was handed
             ctypes.memmove(pointers[7], ctypes.byref(ctypes.c_int32(1)), 4)
@@ -147,7 +146,7 @@ def test_a_repeated_signature_skips_the_checks_and_launches_with_its_own_pointer
     assert (gpu.checks, gpu.why_calls, gpu.family_calls, len(gpu.launches)) == (1, 1, 1, 2)
     first, second = gpu.launches
     assert second.pointers == (ptrs(t["x"]), y2.data_ptr(), ptrs(t["k"]), ptrs(t["v"]), ptrs(t["gamma"]),
-                               ptrs(t["beta"]), 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
+                               ptrs(t["beta"]), 0, 0, 0, 0, 0, 0, 0, 0)
     assert second.pointers[1] != first.pointers[1]
     assert (second.kernel, second.grid, second.tail, second.stream) == (first.kernel, first.grid, first.tail, 1000)
     assert y2.shape == y1.shape == t["x"].shape and y2.dtype == BF16 and y2.is_contiguous()
@@ -178,7 +177,7 @@ def test_decode_at_batch_one_launches_runs_of_keys_with_zeroed_tickets(gpu, monk
     first, second = _two_calls_with_zeroed_tickets(gpu, monkeypatch, 20, B=1, Lq=1, Lk=1500, H=20)
     assert first.tail[-4:-2] == (4, 2) == second.tail[-4:-2] and first.grid == 80  # runs, key tiles per run
     wide = fused(**inputs(B=64, Lq=1, Lk=1500, H=20))
-    assert gpu.launches[-1].pointers[12:14] == (0, 0) and gpu.launches[-1].tail[-4] == 1 and wide.shape[0] == 64
+    assert gpu.launches[-1].pointers[12:] == (0, 0) and gpu.launches[-1].tail[-4] == 1 and wide.shape[0] == 64
 
 
 def test_shared_statistics_get_zeroed_counters_and_a_sums_workspace_on_every_call(gpu, monkeypatch):
@@ -189,9 +188,9 @@ def test_shared_statistics_get_zeroed_counters_and_a_sums_workspace_on_every_cal
     first, second = _two_calls_with_zeroed_tickets(gpu, monkeypatch, 4, B=2, Lq=64, Lk=100, H=16)
     assert first.tail[-6:-4] == (16, 1) == second.tail[-6:-4] and first.grid == 32
     narrow = fused(**inputs(B=2, Lq=64, Lk=100, H=4))  # D = 256: one pass per row
-    assert gpu.launches[-1].pointers[12:14] == (0, 0) and gpu.launches[-1].tail[-6:-4] == (1, 0)
+    assert gpu.launches[-1].pointers[12:] == (0, 0) and gpu.launches[-1].tail[-6:-4] == (1, 0)
     few_keys = fused(**inputs(B=2, Lq=64, H=16))  # the one-tile kernel: one pass per row
-    assert gpu.launches[-1].pointers[12:14] == (0, 0) and gpu.launches[-1].tail[-6:-4] == (1, 0)
+    assert gpu.launches[-1].pointers[12:] == (0, 0) and gpu.launches[-1].tail[-6:-4] == (1, 0)
     assert narrow.shape == (2, 64, 256) and few_keys.shape == (2, 64, 1024)
 
 
@@ -454,7 +453,7 @@ def test_the_ops_cuda_key_runs_fusednorms_function_with_no_wrapper_between():
     assert "custom_ops.py" not in cuda_line
 
 
-def plan_inputs(B=2, Lq=20, Lk=7, H=4, d=64, D=96, bias=True):  # Lq > 16: the plan with its cuBLAS GEMMs
+def plan_inputs(B=2, Lq=5, Lk=7, H=4, d=64, D=96, bias=True):
     t = inputs(B=B, Lq=Lq, Lk=Lk, H=H, d=d)
     Dq = H * d
     t["x"] = torch.randn(B, Lq, D).to(BF16)
@@ -476,7 +475,7 @@ def test_a_repeated_plan_signature_skips_the_checks_and_the_stage_planning(gpu):
     run_plan_op(t, w)
     assert (gpu.checks, gpu.why_calls, gpu.family_calls, len(gpu.launches)) == (1, 1, 1, 1)
     t2 = dict(t, x=torch.randn_like(t["x"].float()).to(BF16))  # a new x, the same weights
-    o = torch.randn(2, 20, o_cols).to(BF16)
+    o = torch.randn(2, 5, o_cols).to(BF16)
     gpu.fill = o  # what the (fake) stage kernel writes: o, then the ones column the out GEMM multiplies by bo
     o[..., Dq:] = 0
     o[..., Dq] = 1
@@ -597,7 +596,7 @@ def test_launch_packs_params_into_a_per_thread_buffer(monkeypatch):
     monkeypatch.setattr(launch, "_raw_launch", None)  # no libcuda: the cuda-python binding launches
     kernel = SimpleNamespace(function="fn", handle=1, threads=256, smem_bytes=4096, device_index=0,
                              spec=SimpleNamespace(key="k"))
-    tail = tuple(range(1, 27)) + (1e-5, 0.18)  # 12 strides, 14 sizes and settings, eps, scale_log2
+    tail = tuple(range(1, 26)) + (1e-5, 0.18)  # 11 strides, 14 sizes and settings, eps, scale_log2
     before = launch.launch_count
 
     def two_launches(base):
@@ -635,7 +634,7 @@ def test_the_ctypes_launch_is_used_and_a_failure_goes_to_the_binding(monkeypatch
         CUDA_SUCCESS=0, CUDA_ERROR_INVALID_CONTEXT=201)))
     kernel = SimpleNamespace(function="fn", handle=0xABC, threads=128, smem_bytes=1024, device_index=0,
                              spec=SimpleNamespace(key="k"))
-    tail = tuple(range(1, 27)) + (1e-5, 0.18)
+    tail = tuple(range(1, 26)) + (1e-5, 0.18)
     pointers = tuple(range(500, 500 + launch.POINTERS))
     before = launch.launch_count
     launch.launch(kernel, 3, 77, pointers, tail)
@@ -669,7 +668,7 @@ def test_sm90_kernels_launch_programmatically_and_a_refusal_falls_back_to_the_pl
     monkeypatch.setattr(launch, "_raw_launch_ex", raw_ex)
     sm90, sm80 = (SimpleNamespace(function="fn", handle=0xABC, threads=256, smem_bytes=99000, device_index=0,
                                   spec=SimpleNamespace(key="k", arch=arch)) for arch in (90, 80))
-    tail = tuple(range(1, 27)) + (1e-5, 0.18)
+    tail = tuple(range(1, 26)) + (1e-5, 0.18)
     pointers = tuple(range(500, 500 + launch.POINTERS))
     before = launch.launch_count
     launch.launch(sm90, 264, 77, pointers, tail)
@@ -703,44 +702,19 @@ def test_the_prebuilt_plan_stages_are_the_ones_the_plan_asks_for(gpu):
     finally:
         sys.path.pop(0)
     listed = {s.key for s in plan_test_specs(90)}
-    for norm, mask, drop, Lq in itertools.product(("layer", "rms"), (None, "bool", "add"),
-                                                  ((), ("wq", "bq"), ("wo", "bo")), (20, 5)):
-        if Lq == 5 and drop:
-            continue  # a few rows with one projection: the same stages as more rows
-        t, w = plan_inputs(D=256, Lq=Lq)  # D = H * d: a block without Wq needs it
-        if norm == "rms":
-            t["beta"] = None
-        w = {n: (None if n in drop else v) for n, v in w.items()}
-        m = None if mask is None else (torch.rand(2, 1, Lq, 7) > 0.3 if mask == "bool"
-                                       else torch.randn(2, 1, Lq, 7).to(BF16))
-        op._pre_norm_cross_attn_cuda(t["x"], t["k"], t["v"], t["gamma"], t["beta"], w["wq"], w["bq"],
-                                     w["wo"], w["bo"], m, norm, 1e-5)
+    for norm in ("layer", "rms"):
+        for mask in (None, "bool", "add"):
+            for drop in ((), ("wq", "bq"), ("wo", "bo")):
+                t, w = plan_inputs(D=256)  # D = H * d: a block without Wq needs it
+                if norm == "rms":
+                    t["beta"] = None
+                w = {n: (None if n in drop else v) for n, v in w.items()}
+                m = None if mask is None else (torch.rand(2, 1, 5, 7) > 0.3 if mask == "bool"
+                                               else torch.randn(2, 1, 5, 7).to(BF16))
+                op._pre_norm_cross_attn_cuda(t["x"], t["k"], t["v"], t["gamma"], t["beta"], w["wq"], w["bq"],
+                                             w["wo"], w["bo"], m, norm, 1e-5)
     asked = set()
-    for (dtype, d, norm, has_g, has_b, affine_f32, kind, mask_f32, arch, check, _, qraw, write_o,
-         fused_proj) in gpu.families:
-        roles = ("short",) if fused_proj else TILE_ROLES
+    for (dtype, d, norm, has_g, has_b, affine_f32, kind, mask_f32, arch, check, _, qraw, write_o) in gpu.families:
         asked |= {KernelSpec(dtype, d, norm, has_g, has_b, affine_f32, kind, mask_f32,
-                             tile_for(r, d, arch, stage=qraw), arch, check, qraw, write_o, fused_proj).key
-                  for r in roles}
-    assert len(gpu.families) == 24 and asked <= listed, sorted(asked - listed)[:3]
-    assert sum(fused_proj for *_, fused_proj in gpu.families) == 6  # both projections inside: each norm and mask
-
-
-def test_a_few_rows_plan_is_one_launch_with_the_folded_weights_and_its_own_shares(gpu):
-    """Lq <= 16 with both projections: the stage gets the folded Wq' and [Wo, bo] and no qraw, a buffer for the
-    heads' shares and zeroed tickets after the chunks' (plans/__init__.py); a repeated signature hits the cache."""
-    t, w = plan_inputs(Lq=3)
-    Dq, D = w["wq"].shape
-    y = run_plan_op(t, w)
-    hit_y = run_plan_op(t, w)
-    assert gpu.checks == 1 and len(gpu.launches) == 2 and y.shape == hit_y.shape == (2, 3, D)
-    assert [fkey[-1] for fkey in gpu.families] == [True]  # one family, the stage with both projections inside
-    for call in gpu.launches:
-        folded = plans.weights.fold_weights("layer", t["gamma"], t["beta"], w["wq"], w["bq"], w["wo"], w["bo"], BF16)
-        assert call.kernel is gpu.families[next(iter(gpu.families))]["short"]
-        assert call.pointers[8] == 0 and call.pointers[11] == 0  # no qraw, no copy of x
-        assert call.pointers[9:11] == (folded.u.data_ptr(), folded.b.data_ptr())
-        assert call.pointers[14:16] == (folded.wq.data_ptr(), folded.wo.data_ptr())
-        assert call.pointers[16] != 0 and call.pointers[17] != 0
-        assert call.tail[11] == folded.o_cols == Dq + plans.weights.K_ALIGN  # wo_ld; ones_col: bo rides in it
-        assert call.tail[10] == D and call.tail[21] == 1
+                             tile_for(r, d, arch, stage=qraw), arch, check, qraw, write_o).key for r in TILE_ROLES}
+    assert len(gpu.families) == 18 and asked <= listed, sorted(asked - listed)[:3]

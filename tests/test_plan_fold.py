@@ -175,23 +175,3 @@ def test_plan_without_wq_folds_only_the_out_projection():
     assert folded.wq is None and folded.u is None and folded.b is None
     Dq = w["wo"].shape[1]
     assert folded.o_cols == Dq + 8 and torch.equal(folded.wo[:, Dq], w["bo"]) and not folded.wo[:, Dq + 1:].any()
-
-
-def test_few_rows_with_both_projections_run_them_inside_the_stage(monkeypatch):
-    from fusednorm import codegen
-    from fusednorm.plans import projections_in_stage
-
-    w = torch.empty(256, 256, device="meta")
-    x = torch.empty(4, codegen.FUSED_PROJ_MAX_ROWS, 256, device="meta")
-    assert projections_in_stage(x, w, w)
-    assert not projections_in_stage(torch.empty(4, codegen.FUSED_PROJ_MAX_ROWS + 1, 256, device="meta"), w, w)
-    assert not projections_in_stage(x, None, w) and not projections_in_stage(x, w, None)
-    assert not projections_in_stage(torch.empty(4, 1, 204, device="meta"), w, w)  # rows not whole 16-byte chunks
-    monkeypatch.setattr(codegen, "fused_projections", False)
-    assert not projections_in_stage(x, w, w)
-
-
-def test_folded_wq_rows_are_contiguous_even_from_a_transposed_weight():
-    wq = torch.randn(96, 64).t().to(torch.bfloat16)  # [64, 96] viewed from a transposed buffer
-    folded = fold_weights("layer", None, None, wq, None, torch.randn(96, 64).to(torch.bfloat16), None, torch.bfloat16)
-    assert folded.wq.is_contiguous() and torch.equal(folded.wq, wq)

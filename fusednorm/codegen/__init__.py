@@ -27,10 +27,6 @@ __all__ = ["why_no_kernel", "run_kernel", "StageIO", "call_key", "call_plans", "
            "forget_loaded_kernels"]
 
 _KERNEL_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
-FUSED_PROJ_MAX_ROWS = 16  # projections inside the stage: one block of the key-split tile's rows
-# The projection plan runs blocks of up to FUSED_PROJ_MAX_ROWS query rows with both projections inside its stage
-# (plans/__init__.py). False: with cuBLAS GEMMs around it, as larger blocks (benchmarks compare the two).
-fused_projections = True
 _INT32_MAX = 2**31 - 1
 
 # Debug setting for tests: fill the output with NaN before each launch, so that an unwritten element shows.
@@ -85,20 +81,19 @@ _family_lock = threading.Lock()
 
 def _family(dtype: str, d: int, norm: str, has_gamma: bool, has_beta: bool, affine_f32: bool, mask_kind: str,
             mask_f32: bool, arch: int, check: bool, device_index: int, q_from_qraw: bool = False,
-            write_o: bool = False, fused_proj: bool = False):
+            write_o: bool = False):
     fkey = (dtype, d, norm, has_gamma, has_beta, affine_f32, mask_kind, mask_f32, arch, check, device_index,
-            q_from_qraw, write_o, fused_proj)
+            q_from_qraw, write_o)
     fam = _families.get(fkey)
     if fam is not None:
         return fam
     with _family_lock:
         fam = _families.get(fkey)
         if fam is None:
-            roles = ("short",) if fused_proj else TILE_ROLES  # projections inside the stage: a few rows only
             specs = {role: KernelSpec(dtype, d, norm, has_gamma, has_beta, affine_f32, mask_kind, mask_f32,
                                       tile_for(role, d, arch, stage=q_from_qraw), arch, check, q_from_qraw,
-                                      write_o, fused_proj)
-                     for role in roles}
+                                      write_o)
+                     for role in TILE_ROLES}
             with ThreadPoolExecutor(len(specs)) as pool:
                 compiled = dict(zip(specs, pool.map(get_kernel, specs.values())))
             fam = {role: _launch.load(compiled[role], device_index) for role in specs}
@@ -175,13 +170,6 @@ class StageIO:
     q_b: torch.Tensor | None = None   # [H * d] float32, Wq @ beta + bq
     o_cols: int = 0                   # > 0: return o as [B, Lq, o_cols] (no residual); past H * d, a ones column
     x_copy: torch.Tensor | None = None  # with o_cols: [B * Lq, D], contiguous, receives a copy of x (the out GEMM's C)
-    # Both projections inside the stage (a few query rows: see plans/__init__.py), which then returns y:
-    wq: torch.Tensor | None = None    # [H * d, D] Wq' (the norm folded in), contiguous; q_u and q_b as above
-    wo: torch.Tensor | None = None    # [D, o_cols] [Wo, bo, 0..], contiguous; bo present when o_cols > H * d
-
-    @property
-    def fused(self) -> bool:
-        return self.wq is not None
 
 
 def run_kernel(x, k, v, gamma, beta, mask, norm, eps, scale, sm_count, check_numerics, call_key=None, stage=None):
@@ -216,8 +204,8 @@ def run_kernel(x, k, v, gamma, beta, mask, norm, eps, scale, sm_count, check_num
     major, minor = _device_capability(device_index)
     stage = stage or StageIO()
     fam = _family(_KERNEL_DTYPES[x.dtype], d, norm, gamma is not None, beta is not None, affine_f32, mask_kind,
-                  mask_f32, major * 10 + minor, bool(check_numerics), device_index,
-                  stage.qraw is not None or stage.fused, stage.o_cols > 0 and not stage.fused, stage.fused)
+                  mask_f32, major * 10 + minor, bool(check_numerics), device_index, stage.qraw is not None,
+                  stage.o_cols > 0)
 
     device_sms = _sm_counts.get(device_index)
     if device_sms is None:
@@ -225,14 +213,8 @@ def run_kernel(x, k, v, gamma, beta, mask, norm, eps, scale, sm_count, check_num
     sms = device_sms if sm_count is None else max(1, min(int(sm_count), device_sms))
     # the tile choice follows the device, never sm_count: results stay bit-identical whatever sm_count bounds
     folded_q = stage.qraw is not None  # the stage's few_keys kernel, only where it runs 2 CTAs per SM
-    if stage.fused:
-        if Lq > FUSED_PROJ_MAX_ROWS:  # the plan never asks: one block of rows per item
-            raise RuntimeError(f"fusednorm: internal error: projections inside the stage take at most "
-                               f"{FUSED_PROJ_MAX_ROWS} query rows, got Lq = {Lq}")
-        role = "short"
-    else:
-        role = _select.tile_role(Lq, Lk, B, H, device_sms, stage=folded_q,
-                                 few_keys=not folded_q or fam["few_keys"].ctas_per_sm >= 2)
+    role = _select.tile_role(Lq, Lk, B, H, device_sms, stage=folded_q,
+                             few_keys=not folded_q or fam["few_keys"].ctas_per_sm >= 2)
     kernel = fam[role]
     if kernel.spec.tile.one_tile and Lk > kernel.spec.tile.block_n:  # the kernel would drop keys: never launch it
         raise RuntimeError(f"fusednorm: internal error: {kernel.spec.key} takes at most "
@@ -249,7 +231,7 @@ def run_kernel(x, k, v, gamma, beta, mask, norm, eps, scale, sm_count, check_num
                                                   grouped_stats=kernel.spec.grouped_stats)
 
     ks, vs = k.stride(), v.stride()
-    out_cols = D if stage.fused else stage.o_cols or D
+    out_cols = stage.o_cols or D
     if plan.kv_chunks > 1:  # a ticket per (batch, row block, head) pair split by keys, and the chunks' states
         tickets = B * plan.row_blocks * H
         part_floats = tickets * plan.kv_chunks * 16 * (d + 4)
@@ -258,14 +240,12 @@ def run_kernel(x, k, v, gamma, beta, mask, norm, eps, scale, sm_count, check_num
         part_floats = plan.stat_col_groups * B * Lq * 2
     else:
         tickets = part_floats = 0
-    # projections inside the stage: each head's share of the out projection, and a ticket per block of rows
-    proj_floats, head_tickets = (B * Lq * H * D, B * plan.row_blocks) if stage.fused else (0, 0)
     call = CallPlan(kernel, plan.grid, bool(check_numerics), (
         ks[0], ks[1], ks[2], vs[0], vs[1], vs[2], m_strides[0], m_strides[1], m_strides[2],
-        stage.qraw.stride(0) if stage.qraw is not None else 0, out_cols, stage.wo.stride(0) if stage.fused else 0,
+        stage.qraw.stride(0) if stage.qraw is not None else 0, out_cols,
         B, Lq, Lk, H, D, plan.heads_per_item, plan.head_groups, plan.row_blocks, plan.items,
         int(stage.o_cols > H * d), plan.stat_col_groups, int(plan.share_stats), plan.kv_chunks, plan.chunk_tiles,
-        float(eps), _scale_log2(scale, d)), out_cols, tickets, part_floats, proj_floats, head_tickets)
+        float(eps), _scale_log2(scale, d)), out_cols, tickets, part_floats)
     y = launch_call(call, x, k, v, gamma, beta, mask, stage)
     # A hit hands the caller's tensors to the kernel unprepared, so only a call that needed no copy or conversion
     # is cached (a mask view keeps its pointer; a copy cannot share it while the caller's mask is alive).
@@ -294,8 +274,6 @@ class CallPlan:
     out_cols: int  # columns of the output rows: D, or the stage's o_cols
     tickets: int = 0  # Params.tickets: keys split between CTAs, or statistics shared between them; else 0
     part_floats: int = 0  # and the floats of Params.part: the chunks' partial states, or the shared sums
-    proj_floats: int = 0  # projections inside the stage: the floats of Params.proj_part (the heads' shares)
-    head_tickets: int = 0  # and the words of Params.head_tickets (one per block of rows)
     # tma tiles: TmaMaps by (x, k, v, y) pointers. The call key fixes every other input of the maps (shapes,
     # strides, the tile), so the pointers alone find them: one small tuple per call instead of shapes and strides
     maps: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
@@ -351,21 +329,16 @@ def launch_call(call: CallPlan, x, k, v, gamma, beta, mask, stage: StageIO | Non
             flag = _flags[device_index] = _graph_memory.kept_copies([torch.zeros(1, dtype=torch.int32,
                                                                                  device=x.device)])[0]
     stream = _raw_stream(device_index)
-    part_ptr = ticket_ptr = proj_ptr = head_ticket_ptr = 0
-    if call.tickets or call.head_tickets:  # one buffer each; the heads' shares and tickets after the chunks'
-        part = torch.empty(call.part_floats + call.proj_floats, dtype=torch.float32, device=x.device)
-        tickets = _zeroed_tickets(call.tickets + call.head_tickets, x, device_index, stream)
-        part_ptr, ticket_ptr = part.data_ptr(), tickets.data_ptr()
-        if call.head_tickets:
-            proj_ptr, head_ticket_ptr = part_ptr + 4 * call.part_floats, ticket_ptr + 4 * call.tickets
-        if not call.tickets:
-            part_ptr = ticket_ptr = 0
+    part = tickets = None
+    if call.tickets:
+        part = torch.empty(call.part_floats, dtype=torch.float32, device=x.device)
+        tickets = _zeroed_tickets(call.tickets, x, device_index, stream)
     xp, yp, kp, vp = x.data_ptr(), y.data_ptr(), k.data_ptr(), v.data_ptr()
     pointers = (xp, yp, kp, vp,
                 gamma.data_ptr() if gamma is not None else 0, beta.data_ptr() if beta is not None else 0,
                 mask.data_ptr() if mask is not None else 0, flag.data_ptr() if flag is not None else 0,
-                *_stage_pointers(stage), part_ptr, ticket_ptr, *_projection_pointers(stage), proj_ptr,
-                head_ticket_ptr)
+                *_stage_pointers(stage), part.data_ptr() if part is not None else 0,
+                tickets.data_ptr() if tickets is not None else 0)
     maps = b""
     if call.kernel.spec.tile.tma:
         maps = call.maps.get((xp, kp, vp, yp))
@@ -429,16 +402,10 @@ def _stage_pointers(stage: StageIO | None) -> tuple:
     if stage is None:
         return 0, 0, 0, 0
     x_copy = stage.x_copy.data_ptr() if stage.x_copy is not None and stage.o_cols else 0
-    if stage.qraw is None and not stage.fused:
+    if stage.qraw is None:
         return 0, 0, 0, x_copy
-    return (stage.qraw.data_ptr() if stage.qraw is not None else 0, stage.q_u.data_ptr() if stage.q_u is not None
-            else 0, stage.q_b.data_ptr(), x_copy)
-
-
-def _projection_pointers(stage: StageIO | None) -> tuple:
-    if stage is None or not stage.fused:
-        return 0, 0
-    return stage.wq.data_ptr(), stage.wo.data_ptr()
+    return (stage.qraw.data_ptr(), stage.q_u.data_ptr() if stage.q_u is not None else 0,
+            stage.q_b.data_ptr(), x_copy)
 
 
 def _raise_if_flagged(flag: torch.Tensor, key: str) -> None:

@@ -16,7 +16,6 @@ TEMPLATES = (
     "pnca/stage_loads.cu",     # the 16-byte copies that fill a pipeline stage
     "pnca/attend.cu",          # step 3: online-softmax attention over one K/V tile
     "pnca/epilogue.cu",        # step 4: y = x + o (the key split and the chunk merge included)
-    "pnca/projections.cu",     # FUSED_PROJ: Wq and Wo inside the stage, and the heads' sum into y
     "pnca/kernel.cu",          # the step sequence, the pipeline along it, and the kernel
 )
 
@@ -55,7 +54,6 @@ def config_constants(spec: KernelSpec) -> dict:
         "CHECK_NUMERICS": spec.check_numerics,
         "Q_FROM_QRAW": spec.q_from_qraw,
         "WRITE_O": spec.write_o,
-        "FUSED_PROJ": spec.fused_proj,
         "GROUPED_STATS": spec.grouped_stats,
         "SMEM_BYTES": spec.smem_bytes(),
         "MIN_CTAS_PER_SM": spec.min_ctas_per_sm,

@@ -146,7 +146,6 @@ class KernelSpec:
     check_numerics: bool
     q_from_qraw: bool = False  # projection plan: q from float32 x @ Wq'^T and the row stats (norm folded into Wq')
     write_o: bool = False      # projection plan: write o (no residual) for the out GEMM, plus its ones column
-    fused_proj: bool = False   # projection plan for a few query rows: Wq and Wo inside the stage, y out (q_from_qraw)
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -169,9 +168,6 @@ class KernelSpec:
             raise ValueError(f"fusednorm: tile {t.token} fills its stages by bulk tensor copies, which only the "
                              f"warpgroup-mma kernels and, on sm_90, head dims of an odd number of 16-byte chunks "
                              f"(d = 40) without a key split do")
-        if self.fused_proj and not (self.q_from_qraw and not self.write_o and t.key_split > 1):
-            raise ValueError("fusednorm: projections inside the stage (fused_proj) need the key-split tile, q from "
-                             "qraw (q_from_qraw) and y out (not write_o)")
         # canonical forms, so that equal code means an equal key
         if self.q_from_qraw and (self.has_gamma or self.has_beta):  # folded into Wq': the kernel never reads them
             object.__setattr__(self, "has_gamma", False)
@@ -246,8 +242,7 @@ class KernelSpec:
         if self.affine_f32:
             affine += "32"
         mask = {"none": "mnone", "bool": "mbool", "add": "madd32" if self.mask_f32 else "madd"}[self.mask]
-        stage = "".join(tag for tag, on in (("_qf", self.q_from_qraw), ("_wo", self.write_o),
-                                            ("_fp", self.fused_proj)) if on)
+        stage = ("_qf" if self.q_from_qraw else "") + ("_wo" if self.write_o else "")
         key = (f"pnca_{self.dtype}_d{self.head_dim}_{self.norm}_{affine}_{mask}{stage}_{self.tile.token}"
                f"_sm{self.arch}")
         return key + "_chk" if self.check_numerics else key
@@ -305,9 +300,6 @@ def supported_grid(archs=ARCHS):
                           KernelSpec(dtype, d, "rms", False, False, False, "bool", False, tile_for("short", d, arch),
                                      arch, False, q_from_qraw=True, write_o=True),
                           KernelSpec(dtype, d, "layer", True, True, False, "none", False, base, arch, False,
-                                     write_o=True),
-                          # the few-row plan with both projections inside the stage
-                          KernelSpec(dtype, d, "layer", False, False, False, "add", True, tile_for("short", d, arch),
-                                     arch, True, q_from_qraw=True, fused_proj=True)):
+                                     write_o=True)):
                     specs[s.key] = s
     return list(specs.values())

@@ -8,10 +8,6 @@
     3. y += [o, 1] @ [Wo, bo]^T        cuBLAS addmm in place: the residual is C (beta = 1) with no copy kernel
 Without Wq, stage 2 normalises x itself (as the projection-free kernel does) and stage 1 is skipped; without Wo,
 stage 2 adds the residual and stage 3 is skipped. Why float32 qraw: plan.py.
-With both projections and a few query rows (decode: Lq <= codegen.FUSED_PROJ_MAX_ROWS) the plan is ONE launch:
-the stage computes each head's qraw itself and its share of the out projection, and the last head of a block of
-rows sums the shares in head order and adds bo and x (templates/pnca/projections.cu). A cuBLAS GEMM of a few rows
-costs ~5 us of launch whatever its size, two of them ~10 % of a Whisper decode step's block (docs/PERF.md).
 
 Whether a matched block takes the plan is measured per shape against the compiler (choose.py).
 """
@@ -41,16 +37,6 @@ def why_no_plan(x, k, v, gamma, beta, wq, bq, wo, bo, mask, norm) -> str | None:
     return None
 
 
-def projections_in_stage(x, wq, wo) -> bool:
-    """Whether the plan runs both projections inside its stage (one launch): with both weights, up to
-    codegen.FUSED_PROJ_MAX_ROWS query rows, and a model dim of whole 16-byte chunks (the kernel's loads)."""
-    from .. import codegen
-
-    B, Lq, D = x.shape
-    return (codegen.fused_projections and wq is not None and wo is not None and Lq <= codegen.FUSED_PROJ_MAX_ROWS
-            and D % 8 == 0)
-
-
 def gemm_f32_out(a, b):
     """a @ b in float32 from 16-bit operands (cuBLAS accumulates in float32 and skips the rounding to 16 bits)."""
     return torch.mm(a, b, out_dtype=torch.float32)
@@ -70,12 +56,6 @@ def run_plan(x, k, v, gamma, beta, wq, bq, wo, bo, mask, norm, eps, scale, sm_co
     x = x.contiguous()
     x2 = x.view(B * Lq, D)
     folded = fold_weights(norm, gamma, beta, wq, bq, wo, bo, x.dtype)
-    if projections_in_stage(x, wq, wo):
-        stage = codegen.StageIO(q_u=folded.u, q_b=folded.b, o_cols=folded.o_cols, wq=folded.wq, wo=folded.wo)
-        if stage_call is not None:
-            return codegen.launch_call(stage_call, x, k, v, None, None, mask, stage)
-        return codegen.run_kernel(x, k, v, None, None, mask, norm, eps, scale, sm_count, check_numerics, call_key,
-                                  stage=stage)
     stage = codegen.StageIO()
     if wq is not None:
         stage.qraw = gemm_f32_out(x2, folded.wq_t)

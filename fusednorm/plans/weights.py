@@ -182,8 +182,7 @@ def _fold(norm, gamma, beta, wq, bq, wo, bo, dtype) -> FoldedWeights:
     wq_folded = u = b = None
     if wq is not None:
         wq_c = wq.to(ct)
-        # contiguous: the stage's own Q projection reads its rows (plans/__init__.py)
-        wq_folded = ((wq_c * gamma.to(ct)) if gamma is not None else wq_c).to(dtype).contiguous()
+        wq_folded = ((wq_c * gamma.to(ct)) if gamma is not None else wq_c).to(dtype)
         b = torch.zeros(wq.shape[0], device=wq.device, dtype=ct)
         if beta is not None:
             b += wq_c @ beta.to(ct)

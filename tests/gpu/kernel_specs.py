@@ -80,21 +80,4 @@ def plan_test_specs(arch: int) -> list[KernelSpec]:
     for d in (40, 80, 128, 160):
         specs += stage_family_specs(arch, "bf16", d, "layer", "bool", True, True)
     specs += stage_family_specs(arch, "bf16", 40, "layer", "none", True, True)  # the stage's few_keys tile
-    specs += few_rows_specs(arch)
     return list({s.key: s for s in specs}.values())
-
-
-def few_rows_spec(arch, dtype, d, norm, mask, check=False):
-    """The plan's stage for a few query rows, with both projections inside it (one kernel: the short role)."""
-    return KernelSpec(dtype, d, norm, False, False, False, mask, False, tile_for("short", d, arch), arch, check,
-                      q_from_qraw=True, fused_proj=True)
-
-
-def few_rows_specs(arch: int) -> list[KernelSpec]:
-    """What tests/gpu/test_plan_few_rows_gpu.py runs: every dtype, norm and mask at d = 64, bf16 LayerNorm with a
-    bool mask at every head dim, and the numerics check."""
-    specs = [few_rows_spec(arch, dtype, 64, norm, mask)
-             for dtype, norm, mask in itertools.product(DTYPES, ("layer", "rms"), MASKS)]
-    specs += [few_rows_spec(arch, "bf16", d, "layer", "bool") for d in HEAD_DIMS]
-    specs += [few_rows_spec(arch, "bf16", 64, "layer", "none", check=True)]
-    return specs

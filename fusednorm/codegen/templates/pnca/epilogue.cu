@@ -88,17 +88,10 @@ FN_INLINE void store_output_rows(const Params& p, const TmaMaps& maps, int b, u1
   __syncwarp();
 }
 
-// y = x + f / total for 8 columns of row r (o alone with WRITE_O), rounded once, streamed out. With FUSED_PROJ
-// o, rounded as the plan's o is, goes to row r of the head's o tile instead (the out projection's A).
+// y = x + f / total for 8 columns of row r (o alone with WRITE_O), rounded once, streamed out.
 FN_INLINE void store_merged_chunk(const Params& p, const u16* x_tile, u16* y_batch, int r, int c, int q, int col0,
                                   float (&f)[8], float total, bool& bad) {
   const float inv = total > 0.f ? 1.f / total : 0.f;
-  if constexpr (FUSED_PROJ) {
-#pragma unroll
-    for (int e = 0; e < 8; ++e) f[e] *= inv;
-    *reinterpret_cast<u32x4*>(reinterpret_cast<u16*>(smem + OFF_X) + r * ROW_STRIDE + c) = pack8(f);
-    return;
-  }
   float xf[8];
   unpack8(WRITE_O ? u32x4{0u, 0u, 0u, 0u} : *reinterpret_cast<const u32x4*>(x_tile + x_elem_offset(r, c / 8)), xf);
 #pragma unroll
@@ -109,9 +102,8 @@ FN_INLINE void store_merged_chunk(const Params& p, const u16* x_tile, u16* y_bat
 }
 
 // KV_CHUNKED with kv_chunks > 1: this CTA's partial state of a (batch, row block, head) is in p.part; the CTA
-// that takes the pair's last ticket merges every chunk's state in chunk order (deterministic) and writes y, and
-// returns true (the same value in every thread).
-FN_INLINE bool merge_key_chunks(const Params& p, const float* unit_part, int* ticket, const u16* x_tile,
+// that takes the pair's last ticket merges every chunk's state in chunk order (deterministic) and writes y.
+FN_INLINE void merge_key_chunks(const Params& p, const float* unit_part, int* ticket, const u16* x_tile,
                                 u16* y_batch, int row0, int col0, int tid, bool& bad) {
   int* is_last = reinterpret_cast<int*>(smem + OFF_MERGE_STATS);  // the warps' m, read by now
   __threadfence();  // this thread's partial state is visible device-wide before the CTA takes its ticket
@@ -121,7 +113,7 @@ FN_INLINE bool merge_key_chunks(const Params& p, const float* unit_part, int* ti
     if (*is_last) *ticket = 0;  // every chunk has taken its ticket: zero again for the next launch
   }
   __syncthreads();
-  if (!*is_last) return false;
+  if (!*is_last) return;
   __threadfence();  // the other chunks' states, written before their tickets
 #pragma unroll 1
   for (int i = tid; i < 16 * CHUNKS; i += THREADS) {
@@ -148,16 +140,13 @@ FN_INLINE bool merge_key_chunks(const Params& p, const float* unit_part, int* ti
     store_merged_chunk(p, x_tile, y_batch, r, c, q, col0, f, total, bad);
   }
   if (WRITE_O && p.ones_col && col0 == 0 && tid < 16 && row0 + tid < p.q_len) store_ones_chunk(p, y_batch, row0 + tid);
-  return true;
 }
 
 // Key split: every warp holds a partial (m, l, o) for the same 16 rows; merge them in warp order (deterministic).
 // The partial o go to the K and V tiles of the stage this step has read (k_tile, v_tile): once every warp is past
 // its reads, nothing else touches that stage until the next step's barrier, after which it is refilled.
 // With keys split between CTAs, ``unit`` numbers the (batch, row block, head) and ``chunk`` the run of keys.
-// Returns true (in every thread) where this CTA has written the head's whole output: unless its run of keys was
-// not the pair's last to finish.
-FN_INLINE bool combine_and_store(const Params& p, long long unit, int chunk, const u16* x_tile, u16* y_batch, int row0,
+FN_INLINE void combine_and_store(const Params& p, long long unit, int chunk, const u16* x_tile, u16* y_batch, int row0,
                                  int col0, const float (&o)[M_TILES][O_ACC_NTILES][4], const float (&m)[M_TILES][2],
                                  const float (&l)[M_TILES][2], u16* k_tile, u16* v_tile, int warp, int lane, int tid,
                                  bool& bad) {
@@ -217,7 +206,9 @@ FN_INLINE bool combine_and_store(const Params& p, long long unit, int chunk, con
     }
     store_merged_chunk(p, x_tile, y_batch, r, c, q, col0, f, total, bad);
   }
-  if (chunked) return merge_key_chunks(p, unit_part, p.tickets + unit, x_tile, y_batch, row0, col0, tid, bad);
+  if (chunked) {
+    merge_key_chunks(p, unit_part, p.tickets + unit, x_tile, y_batch, row0, col0, tid, bad);
+    return;
+  }
   if (WRITE_O && p.ones_col && col0 == 0 && tid < 16 && row0 + tid < p.q_len) store_ones_chunk(p, y_batch, row0 + tid);
-  return true;
 }

@@ -214,18 +214,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS_PER_SM)
     }
     cp_async_commit();
 
-    float* proj_qraw = reinterpret_cast<float*>(smem + OFF_X);  // FUSED_PROJ: the head's qraw, [16][HEAD_DIM]
-    if constexpr (FUSED_PROJ) {
-      if (head_first) {  // every warp reads the whole block of qraw (the stage's copies fly meanwhile)
-        project_q_head(p, cur.b, cur.row_block * BLOCK_M, cur.head, proj_qraw, warp, lane);
-        __syncthreads();
-      }
-    }
-    const QSource src = FUSED_PROJ ? q_source(p, row0, 0, row_mean, row_rstd, x_warp, proj_qraw, HEAD_DIM,
-                                              x_slot(cur, stage), lane)
-                                   : q_source(p, row0, col0, row_mean, row_rstd, x_warp,
-                                              p.qraw + ((long long)cur.b * p.q_len + row0) * p.q_ld, p.q_ld,
-                                              x_slot(cur, stage), lane);
+    const QSource src = q_source(p, row0, col0, row_mean, row_rstd, x_warp,
+                                 p.qraw + ((long long)cur.b * p.q_len + row0) * p.q_ld,
+                                 x_slot(cur, stage), lane);
     if (head_first && attend_rows) q_fragments(p, src, q_tile, qf, lane);
 
     const int warp_key_offset = KEY_SPLIT > 1 ? warp * BLOCK_N : 0;
@@ -249,12 +240,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS_PER_SM)
     if (head_last) {
       if constexpr (KEY_SPLIT > 1) {
         const long long unit = ((long long)cur.b * p.row_blocks + cur.row_block) * p.heads + cur.head;
-        const bool whole = combine_and_store(p, unit, cur.chunk, x_tile, y_batch, row0, col0, o, m, l,
-                                             k_stages + stage * KV_TILE_ELEMS, v_stages + stage * KV_TILE_ELEMS, warp,
-                                             lane, tid, bad);
-        if (FUSED_PROJ && whole)  // the head's o is in the x slots: its share of the out projection
-          project_o_head(p, cur.b, cur.row_block * BLOCK_M, cur.head, reinterpret_cast<const u16*>(smem + OFF_X),
-                         warp, lane, tid, bad);
+        combine_and_store(p, unit, cur.chunk, x_tile, y_batch, row0, col0, o, m, l, k_stages + stage * KV_TILE_ELEMS,
+                          v_stages + stage * KV_TILE_ELEMS, warp, lane, tid, bad);
       } else if (warp_rows) {
         store_output_rows(p, maps, cur.b, y_batch, row0, col0, o, l, x_warp, lane, bad);
       }

@@ -2,9 +2,7 @@
 // plan (fusednorm/plans): with Q_FROM_QRAW the queries come from qraw = x @ Wq'^T (float32, the norm folded into Wq',
 // so q = rstd * (qraw - mean * u) + b'), and with WRITE_O the kernel writes o (no residual; the out GEMM adds it),
 // plus, when asked, a ones column after the last head that carries bo through the out GEMM, and a copy of x (the
-// statistics pass reads every element of x once: storing it there costs no read). With FUSED_PROJ (a few query
-// rows: decode) the stage also runs both projections itself and writes y: the whole block is one launch
-// (templates/pnca/projections.cu).
+// statistics pass reads every element of x once: storing it there costs no read).
 //
 // A CTA works through work items (batch b, a block of BLOCK_M query rows, a group of heads), dealt round-robin over
 // a persistent grid, so the result never depends on the grid size. The CTA's whole share is one flat sequence of
@@ -59,26 +57,20 @@ struct Params {
                        // with share_stats [stat_col_groups][B * Lq]: the rows' (sum, sum of squares) per column group
   int* tickets;        // zero at the start, left zero at the end: [B * row_blocks * H], chunks of a pair done
                        // (kv_chunks > 1); with share_stats [B * row_blocks][2], items arrived and items left
-  const u16* wq;       // FUSED_PROJ: Wq' [H * d, model_dim] (the norm folded in), rows contiguous
-  const u16* wo;       // FUSED_PROJ: [Wo, bo, 0..] [model_dim, wo_ld]; bo at column H * d when ones_col
-  float* proj_part;    // FUSED_PROJ: [B * Lq][H][model_dim], each head's share of the out projection
-  int* head_tickets;   // FUSED_PROJ: zero at the start, left zero at the end: [B * row_blocks], heads done
   long long k_sb, k_sh, k_sl;
   long long v_sb, v_sh, v_sl;
   long long m_sb, m_sh, m_sq;  // the key stride is 1 (run_kernel makes it so)
   long long q_ld, y_ld;        // row strides of qraw and y, in elements
-  long long wo_ld;             // FUSED_PROJ: row stride of wo, in elements
   int batch, q_len, kv_len, heads, model_dim;
   int heads_per_item, head_groups, row_blocks, items;
-  int ones_col;                // WRITE_O: also write [1, 0 x 7] at column H * d of every row (FUSED_PROJ: bo is
-                               // wo's column H * d)
+  int ones_col;                // WRITE_O: also write [1, 0 x 7] at column H * d of every row
   int stat_col_groups;         // > 1: row statistics summed in column groups, added in order (statistics.cu)
   int share_stats;             // with stat_col_groups > 1: an item sums its group's columns, takes the others' (p.part)
   int kv_chunks, chunk_tiles;  // KV_CHUNKED: runs of key tiles per (batch, row block, head), key tiles per run
   float eps;
   float scale_log2;            // the softmax scale times log2(e): scores are exponentiated as exp2(s * scale_log2 - m)
 };
-static_assert(sizeof(Params) == 304, "Params must match the packing in fusednorm/codegen/launch.py");
+static_assert(sizeof(Params) == 264, "Params must match the packing in fusednorm/codegen/launch.py");
 
 // The kernel's second argument: tensor maps of x [B, Lq, D], k and v [B, H, Lk, d] as strided (USE_TMA only; every
 // kernel takes the argument, so that all launch alike), and of y [B, Lq, y_ld]. Boxes of 64 columns by BLOCK_M
@@ -98,8 +90,7 @@ constexpr bool DENSE_ROWS = USE_TMA && !USE_WGMMA;       // K/V stages and x slo
 // mma.sync warps each carry a long chain (the tile was timed with the split: SD 1.5 -16 %); one elsewhere (the
 // wgmma tiles with three measured Lk 2048 +3 %).
 constexpr int COPY_WARPS = DENSE_ROWS ? 3 : 1;
-// for the norm of Q, or for the residual (FUSED_PROJ adds it from global memory, once per row block)
-constexpr bool NEEDS_X_SLICE = !Q_FROM_QRAW || !(WRITE_O || FUSED_PROJ);
+constexpr bool NEEDS_X_SLICE = !Q_FROM_QRAW || !WRITE_O;  // for the norm of Q, or for the residual
 constexpr int ROWS_PER_WARP = 16 * M_TILES;
 constexpr int BLOCK_M = KEY_SPLIT > 1 ? ROWS_PER_WARP : WARPS * ROWS_PER_WARP;
 constexpr int KV_ROWS = BLOCK_N * KEY_SPLIT;             // keys per pipeline stage
@@ -113,8 +104,6 @@ constexpr int PV_KSTEPS = BLOCK_N / 16;
 constexpr bool KV_CHUNKED = KEY_SPLIT > 1;  // the key-split tiles may also split a head's keys between CTAs
 constexpr int PART_ROW = HEAD_DIM + 4;      // floats per row of a chunk's partial state: o, then m and l, padded
 static_assert(KEY_SPLIT == 1 || (KEY_SPLIT == WARPS && M_TILES == 1), "key split shares one m-tile");
-static_assert(!FUSED_PROJ || (KEY_SPLIT > 1 && Q_FROM_QRAW && !WRITE_O),
-              "projections inside the stage: the key-split tile (one block of 16 rows), q from its qraw");
 static_assert(!ONE_TILE || KEY_SPLIT == 1, "one tile per head: every warp sees all keys");
 static_assert(BLOCK_N % 16 == 0 && HEAD_DIM % 8 == 0, "tile shape");
 static_assert(!USE_WGMMA || (M_TILES == 1 && KEY_SPLIT == 1 && WARPS % 4 == 0 && HEAD_DIM % 64 == 0 && !Q_IN_SMEM),
@@ -172,10 +161,6 @@ static_assert(!USE_TMA || (OFF_X % TMA_ALIGN == 0 && X_TILE_ELEMS * 2 % TMA_ALIG
                            KV_TILE_ELEMS * 2 % TMA_ALIGN == 0 && OFF_V % TMA_ALIGN == 0 &&
                            ROWS_PER_WARP * X_ROW_ELEMS * 2 % (DENSE_ROWS ? 128 : 1) == 0),
               "bulk copies start on aligned shared addresses (swizzled slots: 1024-byte boundaries)");
-
-// FUSED_PROJ: the x slots, which it never fills, hold a head's qraw (float32, from its first step until Q is
-// built) and then its o (rounded to the element type, the out projection's A)
-static_assert(!FUSED_PROJ || 16 * HEAD_DIM * 4 <= STAGES * X_TILE_ELEMS * 2, "qraw fits the x slots");
 
 extern __shared__ __align__(1024) u8 smem[];  // carved up as above; named here so that helpers address it directly
 

@@ -24,13 +24,12 @@ struct QSource {
   bool live[M_TILES][2];                     // row < Lq
   const u16* x_tile;                         // the warp's rows of the head's x slice
   const float* q_rows;                       // Q_FROM_QRAW: the warp's first row of qraw
-  long long q_ld;                            // and qraw's row stride
   int affine_slot;                           // the head's slot of norm parameters
   int col0;                                  // the head's first column
 };
 
 FN_INLINE QSource q_source(const Params& p, int row0, int col0, const float* mean_s, const float* rstd_s,
-                           const u16* x_tile, const float* q_rows, long long q_ld, int affine_slot, int lane) {
+                           const u16* x_tile, const float* q_rows, int affine_slot, int lane) {
   QSource src;
   const int g = lane >> 2;
 #pragma unroll
@@ -44,7 +43,6 @@ FN_INLINE QSource q_source(const Params& p, int row0, int col0, const float* mea
     }
   src.x_tile = x_tile;
   src.q_rows = q_rows;
-  src.q_ld = q_ld;
   src.affine_slot = affine_slot;
   src.col0 = col0;
   return src;
@@ -87,7 +85,7 @@ FN_INLINE void q_kstep(const Params& p, const QSource& src, int kk, u32 (&a)[M_T
       if constexpr (Q_FROM_QRAW) {
         float2 qr = make_float2(0.f, 0.f);
         if (src.live[mt][i] && !pad)
-          qr = *reinterpret_cast<const float2*>(src.q_rows + (mt * 16 + g + 8 * i) * src.q_ld + src.col0 +
+          qr = *reinterpret_cast<const float2*>(src.q_rows + (long long)(mt * 16 + g + 8 * i) * p.q_ld + src.col0 +
                                                 kk * 16 + t2 + 8 * h);
         lo = fmaf(qr.x, src.rs[mt][i], fmaf(src.shift[mt][i], ga[h].x, be[h].x));
         hi = fmaf(qr.y, src.rs[mt][i], fmaf(src.shift[mt][i], ga[h].y, be[h].y));
