@@ -5,9 +5,8 @@
 #   one whose library is missing is skipped); ncu: the seed shape under Nsight Compute, with the per-instruction
 #   summary of bench/sass_profile.py; host: host time per op call (bench/host_profile_plan.py, and
 #   bench/host_dispatch.py: the autograd key's share). benchproj, sweep, ab (the sweep against a base tree), ablate,
-#   host, abblock, probe (bench/probe_copies.py: the decode K/V stream alone, per copy form), chain
-#   (bench/probe_decode_chain.py: the plan's chain of programmatic launches against its parts and cuBLAS), width
-#   (bench/param_width.py: the norm's parameters as x's type or fp32), sanitize, ncu and choice
+#   host, abblock, probe (bench/probe_copies.py: the decode K/V stream alone, per copy form), width (bench/param_width.py:
+#   the norm's parameters as x's type or fp32), sanitize, ncu and choice
 #   (bench/kernel_choice.py: what the default kernel="auto" picks against kernel and Inductor) run only when STEPS
 #   names them.
 #   OUT=<dir> [STEPS="gpu bench cpu models"] [SWEEP_SHAPES=t5_dec,...] [SWEEP_CHUNKS=1,2,4,8] [SWEEP_GROUPS=16,4] \
@@ -59,7 +58,6 @@ for step in $STEPS; do
         echo "$tool: exit $?, $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/$tool.log")"
       done ;;
     width) timeout 200 python3 bench/param_width.py ${WIDTH_SHAPES:+--shapes $WIDTH_SHAPES} 2>&1 | tee "$OUT/param_width.log" ;;
-    chain) timeout ${CHAIN_TIMEOUT:-300} python3 bench/probe_decode_chain.py ${CHAIN_SHAPES:+--shapes $CHAIN_SHAPES} 2>&1 | tee "$OUT/probe_decode_chain.log" ;;
     probe) timeout 150 python3 bench/probe_copies.py 2>&1 | tee "$OUT/probe_copies.log" | tail -30 ;;
     host) timeout 120 python3 bench/host_profile_plan.py > "$OUT/host_profile.log" 2>&1; head -30 "$OUT/host_profile.log"
       timeout 60 python3 bench/host_dispatch.py --device cuda 2>&1 | tee "$OUT/host_dispatch.log" ;;

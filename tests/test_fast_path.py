@@ -104,7 +104,6 @@ def gpu(monkeypatch):
     for index in (0, 1):
         monkeypatch.setitem(codegen._capability, index, (9, 0))
         monkeypatch.setitem(codegen._sm_counts, index, 132)
-        monkeypatch.setitem(codegen._l2_bytes, index, 50 << 20)
     return fake
 
 
@@ -491,25 +490,6 @@ def test_a_repeated_plan_signature_skips_the_checks_and_the_stage_planning(gpu):
     torch.testing.assert_close(y.float(), expected, atol=3e-2, rtol=2e-2)
 
 
-PREFETCH_KEYS = 20  # Params.prefetch_keys in the tail: after 11 strides and B, Lq, Lk, H, D and the work split
-
-
-@pytest.mark.parametrize("Lk", [7, 30000])
-def test_the_plan_stage_prefetches_its_first_keys_and_the_projection_free_kernel_does_not(gpu, Lk):
-    """The plan's stage follows its Q GEMM, which writes no K/V, so it fetches the leading keys of its first item
-    into L2 before it waits for that GEMM: all of them, or as many as half of L2 holds for every CTA. The
-    projection-free kernel may follow a kernel that writes K/V: it prefetches nothing."""
-    t, w = plan_inputs(Lk=Lk)
-    run_plan_op(t, w)
-    fused(**inputs(Lk=Lk))
-    stage, kernel = gpu.launches
-    assert stage.pointers[8] != 0 and kernel.pointers[8] == 0  # the stage reads a qraw, the kernel does not
-    assert stage.tail[13] == Lk and kernel.tail[PREFETCH_KEYS] == 0
-    per_key = stage.tail[16] * 2 * 64 * 2  # heads per item, K and V rows of d = 64 in bf16
-    assert stage.tail[PREFETCH_KEYS] == min(Lk, (50 << 20) // 2 // (stage.grid * per_key))
-    assert (stage.tail[PREFETCH_KEYS] == Lk) == (Lk == 7)
-
-
 def _folded_u(w, t):
     return plans.weights.fold_weights("layer", t["gamma"], t["beta"], w["wq"], w["bq"], w["wo"], w["bo"], BF16).u
 
@@ -616,7 +596,7 @@ def test_launch_packs_params_into_a_per_thread_buffer(monkeypatch):
     monkeypatch.setattr(launch, "_raw_launch", None)  # no libcuda: the cuda-python binding launches
     kernel = SimpleNamespace(function="fn", handle=1, threads=256, smem_bytes=4096, device_index=0,
                              spec=SimpleNamespace(key="k"))
-    tail = tuple(range(1, 27)) + (1e-5, 0.18)  # 11 strides, 15 sizes and settings, eps, scale_log2
+    tail = tuple(range(1, 26)) + (1e-5, 0.18)  # 11 strides, 14 sizes and settings, eps, scale_log2
     before = launch.launch_count
 
     def two_launches(base):
@@ -654,7 +634,7 @@ def test_the_ctypes_launch_is_used_and_a_failure_goes_to_the_binding(monkeypatch
         CUDA_SUCCESS=0, CUDA_ERROR_INVALID_CONTEXT=201)))
     kernel = SimpleNamespace(function="fn", handle=0xABC, threads=128, smem_bytes=1024, device_index=0,
                              spec=SimpleNamespace(key="k"))
-    tail = tuple(range(1, 27)) + (1e-5, 0.18)
+    tail = tuple(range(1, 26)) + (1e-5, 0.18)
     pointers = tuple(range(500, 500 + launch.POINTERS))
     before = launch.launch_count
     launch.launch(kernel, 3, 77, pointers, tail)
@@ -688,7 +668,7 @@ def test_sm90_kernels_launch_programmatically_and_a_refusal_falls_back_to_the_pl
     monkeypatch.setattr(launch, "_raw_launch_ex", raw_ex)
     sm90, sm80 = (SimpleNamespace(function="fn", handle=0xABC, threads=256, smem_bytes=99000, device_index=0,
                                   spec=SimpleNamespace(key="k", arch=arch)) for arch in (90, 80))
-    tail = tuple(range(1, 27)) + (1e-5, 0.18)
+    tail = tuple(range(1, 26)) + (1e-5, 0.18)
     pointers = tuple(range(500, 500 + launch.POINTERS))
     before = launch.launch_count
     launch.launch(sm90, 264, 77, pointers, tail)

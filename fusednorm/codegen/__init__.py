@@ -31,8 +31,6 @@ _INT32_MAX = 2**31 - 1
 
 # Debug setting for tests: fill the output with NaN before each launch, so that an unwritten element shows.
 poison_outputs = False
-# False: the plan's stage prefetches no K/V before its wait (benchmarks compare; launches planned since are cached).
-stage_prefetch = True
 
 _capability: dict[int, tuple[int, int]] = {}
 
@@ -118,7 +116,6 @@ def forget_loaded_kernels() -> None:
 _flags: dict[int, torch.Tensor] = {}
 _plans: dict[tuple, "_select.LaunchPlan"] = {}
 _sm_counts: dict[int, int] = {}
-_l2_bytes: dict[int, int] = {}
 
 
 def _fast_operand(t: torch.Tensor, what: str, tensor_map: bool) -> torch.Tensor:
@@ -168,8 +165,7 @@ def _prepare_mask(mask: torch.Tensor, x_dtype, B: int, H: int, Lq: int, Lk: int)
 @dataclass
 class StageIO:
     """The projection plan's attention stage (plans/__init__.py). All defaults: the projection-free op."""
-    qraw: torch.Tensor | None = None  # [B * Lq, H * d] float32, x @ Wq'^T: queries come from it, not from norm(x);
-    # the kernel that makes it runs just before the stage and writes no K/V, so the stage prefetches K/V early
+    qraw: torch.Tensor | None = None  # [B * Lq, H * d] float32, x @ Wq'^T: queries come from it, not from norm(x)
     q_u: torch.Tensor | None = None   # [H * d] float32, Wq' @ 1 (LayerNorm)
     q_b: torch.Tensor | None = None   # [H * d] float32, Wq @ beta + bq
     o_cols: int = 0                   # > 0: return o as [B, Lq, o_cols] (no residual); past H * d, a ones column
@@ -248,7 +244,6 @@ def run_kernel(x, k, v, gamma, beta, mask, norm, eps, scale, sm_count, check_num
         ks[0], ks[1], ks[2], vs[0], vs[1], vs[2], m_strides[0], m_strides[1], m_strides[2],
         stage.qraw.stride(0) if stage.qraw is not None else 0, out_cols,
         B, Lq, Lk, H, D, plan.heads_per_item, plan.head_groups, plan.row_blocks, plan.items,
-        _prefetch_keys(plan, Lk, d, device_index) if stage.qraw is not None and stage_prefetch else 0,
         int(stage.o_cols > H * d), plan.stat_col_groups, int(plan.share_stats), plan.kv_chunks, plan.chunk_tiles,
         float(eps), _scale_log2(scale, d)), out_cols, tickets, part_floats)
     y = launch_call(call, x, k, v, gamma, beta, mask, stage)
@@ -260,15 +255,6 @@ def run_kernel(x, k, v, gamma, beta, mask, norm, eps, scale, sm_count, check_num
             call_plans.clear()
         call_plans[call_key] = call
     return y
-
-
-def _prefetch_keys(plan, Lk: int, d: int, device_index: int) -> int:
-    """Keys of K and V per head of each CTA's first item that the plan's stage fetches into L2 while the Q
-    projection before it still runs: together at most half of L2, so that they are still there when read."""
-    l2 = _l2_bytes.get(device_index)
-    if l2 is None:
-        l2 = _l2_bytes[device_index] = torch.cuda.get_device_properties(device_index).L2_cache_size
-    return min(Lk, l2 // 2 // (plan.grid * plan.heads_per_item * 2 * d * 2))
 
 
 def _scale_log2(scale: float | None, head_dim: int) -> float:

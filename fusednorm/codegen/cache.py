@@ -127,7 +127,7 @@ def get_kernel(spec: KernelSpec, directory: Path | None = None) -> CompiledKerne
         from filelock import FileLock
 
         directory.mkdir(parents=True, exist_ok=True)
-        source = spec.source() if hasattr(spec, "source") else render(spec)  # skinny.SkinnySpec renders itself
+        source = render(spec)
         fp = fingerprint(source, spec.arch)
         path = entry_path(spec, directory)
         with FileLock(str(path) + ".lock"):

@@ -250,10 +250,6 @@ class KernelSpec:
     def with_tile(self, tile: TileConfig) -> "KernelSpec":
         return replace(self, tile=tile)
 
-    @property
-    def threads(self) -> int:
-        return self.tile.threads
-
     def smem_bytes(self) -> int:
         """Dynamic shared memory per CTA; mirrors the carve-up in templates/pnca/layout.cu."""
         t = self.tile

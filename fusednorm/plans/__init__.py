@@ -6,10 +6,6 @@
                                        a ones column after o that carries bo through the out GEMM, and
                                        (its statistics pass reads all of x) a copy of x into y
     3. y += [o, 1] @ [Wo, bo]^T        cuBLAS addmm in place: the residual is C (beta = 1) with no copy kernel
-With at most 64 rows (B * Lq: a decode step) on sm_90, steps 1 and 3 are fusednorm's skinny GEMM instead
-(codegen/skinny.py), and the three launches overlap (programmatic launches): the stage prefetches its first K/V
-into L2 while the Q GEMM runs, and the out GEMM loads Wo' while the stage ends. cuBLAS's GEMMs take ~5 µs each
-there whatever the row count, and start only when the kernel before has ended.
 Without Wq, stage 2 normalises x itself (as the projection-free kernel does) and stage 1 is skipped; without Wo,
 stage 2 adds the residual and stage 3 is skipped. Why float32 qraw: plan.py.
 
@@ -19,7 +15,6 @@ from __future__ import annotations
 
 import torch
 
-from ..codegen import skinny
 from .weights import fold_weights
 
 __all__ = ["why_no_plan", "run_plan"]
@@ -63,10 +58,7 @@ def run_plan(x, k, v, gamma, beta, wq, bq, wo, bo, mask, norm, eps, scale, sm_co
     folded = fold_weights(norm, gamma, beta, wq, bq, wo, bo, x.dtype)
     stage = codegen.StageIO()
     if wq is not None:
-        if skinny.why_not(x2, folded.wq) is None:
-            stage.qraw = skinny.gemm_f32_out(x2, folded.wq)
-        else:
-            stage.qraw = gemm_f32_out(x2, folded.wq_t)
+        stage.qraw = gemm_f32_out(x2, folded.wq_t)
         stage.q_u, stage.q_b = folded.u, folded.b
         gamma = beta = None  # folded into Wq'
     if wo is not None:
@@ -81,11 +73,7 @@ def run_plan(x, k, v, gamma, beta, wq, bq, wo, bo, mask, norm, eps, scale, sm_co
                                stage=stage)
     if wo is None:
         return o  # the stage added the residual
-    o2 = o.view(B * Lq, folded.o_cols)
-    if skinny.why_not(o2, folded.wo, y2) is None:
-        y = skinny.gemm_add_into(y2, o2, folded.wo, w_before_wait=True).view(B, Lq, D)  # the stage writes no Wo'
-    else:
-        y = y2.addmm_(o2, folded.wo_t).view(B, Lq, D)
+    y = y2.addmm_(o.view(B * Lq, folded.o_cols), folded.wo_t).view(B, Lq, D)
     if check_numerics:
         from ..numerics import raise_if_not_finite
 

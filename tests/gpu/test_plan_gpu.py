@@ -22,7 +22,7 @@ if not torch.cuda.is_available():
 
 import fusednorm  # noqa: E402
 from fusednorm import codegen  # noqa: E402
-from fusednorm.codegen import launch, skinny  # noqa: E402
+from fusednorm.codegen import launch  # noqa: E402
 from fusednorm.plans import weights  # noqa: E402
 from fusednorm.plans.choose import unfused_block  # noqa: E402
 from fusednorm.reference import reference_pre_norm_cross_attn  # noqa: E402
@@ -70,10 +70,9 @@ def update_error(y, t, norm, eps):
 
 
 def check(t, norm, eps=1e-5):
-    before, gemms = launch.launch_count, skinny.launches
+    before = launch.launch_count
     y = OP(*t.values(), norm, eps)
-    gemms = skinny.launches - gemms  # the skinny GEMMs of a decode-shaped block (codegen/skinny.py)
-    assert launch.launch_count == before + 1 + gemms, "the plan's attention stage did not run"
+    assert launch.launch_count == before + 1, "the plan's attention stage did not run"
     assert y.shape == t["x"].shape and y.dtype == t["x"].dtype and torch.isfinite(y).all()
     err = update_error(y, t, norm, eps)
     err_eager = update_error(unfused_block(**t, norm=norm, eps=eps, scale=None), t, norm, eps)

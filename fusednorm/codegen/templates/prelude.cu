@@ -243,26 +243,12 @@ FN_INLINE void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;\n" ::
 // ---- programmatic dependent launch (sm_90) ----
 // A kernel launched with it (launch.py) may start while the kernel before it in the stream is still finishing, so
 // its CTAs are resident and set up when that one ends. Nothing in global memory may be read or written before this
-// wait returns: the kernel before may still write the inputs, or read what becomes the output (the one exception:
-// inputs the caller knows that kernel does not write, see Params.prefetch_keys). The wait returns at once in a
-// kernel launched without it. The tensor maps live in the kernel's parameters, which nothing writes:
+// wait returns: the kernel before may still write the inputs, or read what becomes the output. The wait returns at
+// once in a kernel launched without it. The tensor maps live in the kernel's parameters, which nothing writes:
 // fetching them early is safe.
 FN_INLINE void wait_for_prior_grid() {
 #if __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;\n" ::: "memory");
-#endif
-}
-// Lets the next kernel in the stream, if launched programmatically, start once every CTA of this one has been
-// here: its CTAs take SMs that this one leaves free and set up, then wait for this one to end.
-FN_INLINE void allow_next_grid() {
-#if __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-#endif
-}
-// Fetch [src, src + bytes) into L2 (16-byte aligned, bytes a multiple of 16); nothing waits for it.
-FN_INLINE void bulk_prefetch_l2(const void* src, u32 bytes) {
-#if __CUDA_ARCH__ >= 900
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(src), "r"(bytes) : "memory");
 #endif
 }
 FN_INLINE void prefetch_tensormap(const TensorMap* map) {

@@ -101,23 +101,6 @@ FN_INLINE void load_step(const Params& p, const TmaMaps& maps, const StepCursor&
   }
 }
 
-// The plan's stage (p.prefetch_keys > 0): the kernel before it, the Q projection, writes no K/V and lets this one
-// start early (programmatic launch), so the leading keys of this CTA's first item are fetched into L2 while it runs.
-FN_INLINE void prefetch_first_keys(const Params& p, const StepCursor& c, int key_tiles, int tid) {
-#if __CUDA_ARCH__ >= 900
-  if (c.item >= p.items) return;
-  const int key0 = first_tile(c) * KV_ROWS;
-  const int keys = min(p.prefetch_keys, min(end_tile(c, key_tiles) * KV_ROWS, p.kv_len) - key0);
-  const int heads = min(p.heads_per_item, p.heads - c.head);
-  for (int i = tid; i < 2 * heads * keys; i += THREADS) {
-    const int key = key0 + i % keys, h = c.head + i / keys / 2;
-    const u16* row = i / keys % 2 == 0 ? p.k + c.b * p.k_sb + h * p.k_sh + key * p.k_sl
-                                        : p.v + c.b * p.v_sb + h * p.v_sh + key * p.v_sl;
-    bulk_prefetch_l2(row, HEAD_DIM * 2);
-  }
-#endif
-}
-
 extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS_PER_SM)
     KERNEL_NAME(const Params p, const __grid_constant__ TmaMaps maps) {
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
@@ -148,17 +131,16 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS_PER_SM)
     }
     __syncthreads();
   }
+  wait_for_prior_grid();  // from here on global memory is this launch's (see prelude.cu)
+
   const int key_tiles = ONE_TILE ? 1 : (p.kv_len + KV_ROWS - 1) / KV_ROWS;
   bool bad = false;
+
+  // Prologue: the first STAGES - 1 steps in flight.
   StepCursor cur;
   cur.item = blockIdx.x;
   cur.head_seq = 0;
   cursor_enter_item(p, cur, key_tiles);
-  if (p.prefetch_keys > 0) prefetch_first_keys(p, cur, key_tiles, tid);
-  wait_for_prior_grid();  // from here on global memory is this launch's (see prelude.cu)
-  allow_next_grid();      // the kernel after this one may start setting up (it waits for this one to end)
-
-  // Prologue: the first STAGES - 1 steps in flight.
   StepCursor ahead = cur;
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) {

@@ -63,8 +63,6 @@ struct Params {
   long long q_ld, y_ld;        // row strides of qraw and y, in elements
   int batch, q_len, kv_len, heads, model_dim;
   int heads_per_item, head_groups, row_blocks, items;
-  int prefetch_keys;           // > 0: before the wait for the kernel before, each CTA prefetches into L2 this many
-                               // keys of K and V of its first item (the plan's stage: that kernel writes no K/V)
   int ones_col;                // WRITE_O: also write [1, 0 x 7] at column H * d of every row
   int stat_col_groups;         // > 1: row statistics summed in column groups, added in order (statistics.cu)
   int share_stats;             // with stat_col_groups > 1: an item sums its group's columns, takes the others' (p.part)
@@ -72,7 +70,7 @@ struct Params {
   float eps;
   float scale_log2;            // the softmax scale times log2(e): scores are exponentiated as exp2(s * scale_log2 - m)
 };
-static_assert(sizeof(Params) == 272, "Params must match the packing in fusednorm/codegen/launch.py");
+static_assert(sizeof(Params) == 264, "Params must match the packing in fusednorm/codegen/launch.py");
 
 // The kernel's second argument: tensor maps of x [B, Lq, D], k and v [B, H, Lk, d] as strided (USE_TMA only; every
 // kernel takes the argument, so that all launch alike), and of y [B, Lq, y_ld]. Boxes of 64 columns by BLOCK_M
