@@ -8,12 +8,21 @@ moved text, split files), on a machine without a GPU.
 Kernels are built with -lineinfo, so any edit that moves a line changes the cubin's bytes. This compares each
 key's cubin section by section, leaving out what only describes the source (line tables, debug sections, the
 embedded PTX text, and the symbol and string tables that index them). Exit status 1 when any code section differs.
+
+    python bench/same_code.py /tmp/fnk_a /tmp/fnk_b --sass
+
+also disassembles (nvdisasm) each kernel whose sections differ and compares its instructions: a new configuration
+constant adds to the constant tables (`.nv.global.init`, `.nv.constant4`) without changing one instruction. Exit
+status 1 then only when instructions differ.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import re
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -40,10 +49,21 @@ def cache_cubins(folder: Path) -> dict[str, bytes]:
     return out
 
 
+def sass(cubin: bytes, nvdisasm: str) -> list[str]:
+    """The cubin's instructions as text, without addresses and encodings."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        text = subprocess.run([nvdisasm, "-c", f.name], capture_output=True, text=True, check=True).stdout
+    lines = (re.sub(r"/\*.*?\*/", "", line).strip() for line in text.splitlines())
+    return [line for line in lines if line]
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("a", type=Path)
     p.add_argument("b", type=Path)
+    p.add_argument("--sass", action="store_true", help="compare the instructions of kernels whose sections differ")
     args = p.parse_args()
     a, b = cache_cubins(args.a), cache_cubins(args.b)
     shared = sorted(set(a) & set(b))
@@ -57,6 +77,20 @@ def main() -> int:
           f"{args.b}): {len(shared) - len(differing)} with the same code, {len(differing)} differ")
     for key, names in sorted(differing.items())[:20]:
         print(f"  {key}: {', '.join(names)}")
+    if args.sass and differing:
+        from sass_census import find_nvdisasm
+        nvdisasm = find_nvdisasm()
+        if nvdisasm is None:
+            raise SystemExit("--sass needs nvdisasm (the CUDA toolkit's, or the nvidia-cuda-nvdisasm wheel)")
+        changed = {}
+        for key in sorted(differing):
+            sa, sb = sass(a[key], nvdisasm), sass(b[key], nvdisasm)
+            if sa != sb:
+                changed[key] = sum(x != y for x, y in zip(sa, sb)) + abs(len(sa) - len(sb))
+        print(f"instructions: {len(differing) - len(changed)} of the {len(differing)} the same, {len(changed)} differ")
+        for key, lines in sorted(changed.items())[:20]:
+            print(f"  {key}: {lines} of its instruction lines")
+        return 1 if changed else 0
     return 1 if differing or not shared else 0
 
 

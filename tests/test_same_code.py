@@ -10,7 +10,8 @@ pytest.importorskip("cuda.bindings.nvrtc")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 
-from same_code import code_sections  # noqa: E402
+from same_code import code_sections, sass  # noqa: E402
+from sass_census import find_nvdisasm  # noqa: E402
 
 from fusednorm.codegen.nvrtc import compile_to_cubin  # noqa: E402
 from fusednorm.codegen.render import render  # noqa: E402
@@ -32,3 +33,18 @@ def test_moved_lines_keep_the_code_and_a_changed_constant_does_not():
     assert any(name.startswith(".text.") for name in base)
     assert code_sections(cubins[1]) == base
     assert code_sections(cubins[2]) != base
+
+
+def test_sass_mode_sees_through_a_new_constant_but_not_a_changed_instruction():
+    """--sass: a configuration constant that no instruction reads changes the constant tables, not the code."""
+    nvdisasm = find_nvdisasm()
+    assert nvdisasm is not None, "the test extra installs nvidia-cuda-nvdisasm"
+    spec = KernelSpec("bf16", 64, "layer", True, True, False, "add", False, tile_for("few_keys", 64), 80, False)
+    source = render(spec)
+    assert source.count("#define KERNEL_NAME") == 1
+    extra = source.replace("#define KERNEL_NAME", "constexpr int UNUSED_SETTING = 7;\n#define KERNEL_NAME")
+    changed = source.replace("#define LOG2E_F 1.4426950408889634f", "#define LOG2E_F 1.25f")
+    base, with_constant, other = (compile_to_cubin(s, spec.key, spec.arch)[0] for s in (source, extra, changed))
+    assert code_sections(with_constant) != code_sections(base)
+    assert sass(with_constant, nvdisasm) == sass(base, nvdisasm)
+    assert sass(other, nvdisasm) != sass(base, nvdisasm)
