@@ -34,8 +34,8 @@ from fusednorm.codegen import cache, render as render_mod, select  # noqa: E402
 CUTS = {  # name -> (what it removes, [(old, new), ...])
     "baseline": ("nothing", []),
     "no_refill": ("the per-step copies (K, V, x slice, norm parameters): stages keep the prologue's data",
-                  [("    if (ahead.item < p.items) {\n      const int fill = ",
-                    "    if (false) {\n      const int fill = ")]),
+                  [("    if (ahead.item < p.items) {\n      load_step(p, maps, ahead, stage == 0",
+                    "    if (false) {\n      load_step(p, maps, ahead, stage == 0")]),
     "no_x_slice": ("the x-slice copy of each head (Q and the residual read stale x)",
                    [("    if (NEEDS_X_SLICE)\n      load_x_tile(", "    if (false)\n      load_x_tile(")]),
     "no_statistics": ("the row-statistics pass at each item's start",

@@ -38,11 +38,7 @@ CANDIDATES = {  # role -> candidate tiles, each with the __launch_bounds__ minim
              # 128-row items (two warpgroups share each K/V stage: half the K/V traffic of 64-row items)
              (T(8, 1, 64, 1, 2, **WGT), 2), (T(8, 1, 128, 1, 2, **WGT), 1), (T(8, 1, 128, 1, 3, **WGT), 1),
              (T(8, 1, 112, 1, 2, **WGT), 1), (T(8, 1, 64, 1, 3, **WGT), 1), (T(8, 1, 64, 1, 4, **WGT), 1),
-             (T(8, 1, 64, 1, 3, **WGT), 2),  # a third stage at 2 CTAs per SM (110 KB): lost, PERF.md twelfth run
-             # P V deferred behind the next key tile's QK^T (one stage more holds its V), 2 CTAs per SM
-             (T(4, 1, 96, 1, 3, **WGT, defer_pv=True), 2), (T(4, 1, 80, 1, 3, **WGT, defer_pv=True), 2),
-             (T(4, 1, 64, 1, 3, **WGT, defer_pv=True), 2), (T(4, 1, 64, 1, 4, **WGT, defer_pv=True), 2),
-             (T(8, 1, 64, 1, 3, **WGT, defer_pv=True), 1), (T(8, 1, 96, 1, 3, **WGT, defer_pv=True), 1)],
+             (T(8, 1, 64, 1, 3, **WGT), 2)],  # a third stage at 2 CTAs per SM (110 KB): lost, PERF.md twelfth run
     "base": [(T(4, 1, 64, 1, 2), 3), (T(4, 1, 128, 1, 2), 1), (T(4, 1, 64, 1, 3), 3),
              (T(4, 1, 64, 1, 2, **WG), 3), (T(8, 1, 64, 1, 2, **WG), 1), (T(4, 1, 64, 1, 2, **WGT), 3)],
     "few_keys": [(T(8, 1, 80, 1, 2, True), 2), (T(16, 1, 80, 1, 2, True), 1), (T(4, 1, 80, 1, 2, True), 3),
@@ -61,10 +57,7 @@ CANDIDATES = {  # role -> candidate tiles, each with the __launch_bounds__ minim
                  # the same with 64-row items at 4 CTAs per SM (SD 1.5: 512 items for 528 slots; as the default it
                  # lost 18 %, PERF.md twenty-first run), or 4 warps of two m-tiles each (twice the independent mma
                  # work per warp, 162 registers; not yet timed)
-                 (T(4, 1, 80, 1, 2, True, tma=True), 4), (T(4, 2, 80, 1, 2, True, tma=True), 2),
-                 # P V deferred behind the next head's QK^T, that head's y after it (a third stage holds its V and x)
-                 (T(4, 1, 80, 1, 3, True, **WGT, defer_pv=True), 2),
-                 (T(8, 1, 80, 1, 3, True, **WGT, defer_pv=True), 1)],
+                 (T(4, 1, 80, 1, 2, True, tma=True), 4), (T(4, 2, 80, 1, 2, True, tma=True), 2)],
     "short": [(T(4, 1, 16, 4, 4), 1), (T(4, 1, 32, 4, 4), 1), (T(4, 1, 16, 4, 6), 1), (T(8, 1, 16, 8, 4), 1),
               (T(4, 1, 32, 4, 3), 1), (T(8, 1, 16, 8, 3), 1),
               # swizzled stages, merged in a stage (no buffer of its own): 77 KB at 4 x 64 keys, 108 KB at 3 x 128

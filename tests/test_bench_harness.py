@@ -330,7 +330,7 @@ def test_prebuilt_kernels_are_the_ones_the_gpu_tests_compile():
     """bench/prebuild_kernels.py and the GPU kernel tests' up-front compile share one list (tests/gpu/
     kernel_specs.py): every (dtype, head dim, tile role) with each norm and mask, the sm_80 tiles too on sm_90,
     the numerics-check, float32-mask, float32-parameter and gamma-only kernels, and on sm_90 the bulk-copy tiles'
-    twins and the deferred-P V tile; each key once. Beside them, the plan tests' stages."""
+    twins; each key once. Beside them, the plan tests' stages."""
     sys.path.insert(0, str(BENCH.parent / "tests" / "gpu"))
     try:
         from kernel_specs import kernel_test_specs, plan_test_specs
@@ -353,7 +353,6 @@ def test_prebuilt_kernels_are_the_ones_the_gpu_tests_compile():
                                                         for s in specs)
     on_sm90 = {s.tile for s in kernel_test_specs(90)}
     assert any(t.wgmma and not t.tma for t in on_sm90)  # the bulk-copy tiles' twins without bulk copies
-    assert any(t.defer_pv for t in on_sm90) and not any(s.tile.defer_pv for s in kernel_test_specs(80))
     assert {tile_for("long", 64, 90), tile_for("long", 64, 80)} <= on_sm90  # the sm_80 tiles are tested there too
     stages = plan_test_specs(90)
     assert len({s.key for s in stages}) == len(stages) and not {s.key for s in stages} & {s.key for s in specs}

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import os
 import sys
-from dataclasses import replace
 from concurrent.futures import ProcessPoolExecutor
 
 import pytest
@@ -15,7 +14,7 @@ from fusednorm.codegen import select, why_no_kernel  # noqa: E402
 from fusednorm.codegen.nvrtc import (compile_to_cubin, load_builtins_beside_nvrtc, nvrtc_version,  # noqa: E402
                                      parse_ptxas_report)
 from fusednorm.codegen.render import render  # noqa: E402
-from fusednorm.codegen.spec import (HEAD_DIMS, TILE_ROLES, KernelSpec, TileConfig, supported_grid,  # noqa: E402
+from fusednorm.codegen.spec import (HEAD_DIMS, TILE_ROLES, KernelSpec, supported_grid,  # noqa: E402
                                     tile_for)
 
 GRID = supported_grid()
@@ -93,22 +92,6 @@ def test_sm90_tiles_use_the_warpgroup_mma_unserialized():
         _, usage, log_text = compile_to_cubin(src, spec.key, spec.arch)
         assert "serialized" not in log_text, log_text
         assert usage.spill_stores in (0, None)
-
-
-def test_deferred_p_v_needs_its_stage_and_stays_asynchronous():
-    """A tile whose P V runs behind the next key tile's QK^T holds that V one step longer (a third stage), reads the
-    block of ones as P V's last 8 columns (d = 64, 2 CTAs per SM), and must not make ptxas serialize its wgmma."""
-    tile = TileConfig(4, 1, 96, 1, 3, wgmma=True, tma=True, defer_pv=True)
-    spec = KernelSpec("bf16", 64, "layer", True, True, False, "add", False, tile, 90, False)
-    assert spec.key == "pnca_bf16_d64_layer_gb_madd_t64x96s3wgtmadf_sm90"
-    assert spec.min_ctas_per_sm == 2 and spec.rowsum_in_pv and spec.smem_bytes() <= H100_SMEM_PER_BLOCK // 2
-    for bad, d in ((replace(tile, stages=2), 64), (replace(tile, block_n=112), 64), (tile, 128),
-                   (replace(tile, wgmma=False, tma=False), 64)):
-        with pytest.raises(ValueError, match="defers P V|warpgroup"):
-            KernelSpec("bf16", d, "layer", True, True, False, "none", False, bad, 90, False)
-    _, usage, log_text = compile_to_cubin(render(spec), spec.key, spec.arch)
-    assert "serialized" not in log_text, log_text
-    assert usage.spill_stores in (0, None)
 
 
 def test_source_needs_no_headers():

@@ -42,7 +42,6 @@ def config_constants(spec: KernelSpec) -> dict:
         "ONE_TILE": t.one_tile,
         "USE_WGMMA": t.wgmma,
         "USE_TMA": t.tma,
-        "DEFER_PV": t.defer_pv,
         "ROWSUM_IN_PV": spec.rowsum_in_pv,
         "KV_SWIZZLED": spec.kv_swizzled,
         "Q_IN_SMEM": spec.q_in_smem,

@@ -34,7 +34,6 @@ class TileConfig:
     one_tile: bool = False  # a head's keys all in one stage (chosen only when Lk <= block_n): nothing carried
     wgmma: bool = False     # sm_90: QK^T and P V as warpgroup mma, B straight from shared memory (see WGMMA_HEAD_DIMS)
     tma: bool = False       # sm_90: stages filled by bulk tensor copies on an mbarrier (wgmma tiles, or dense_rows)
-    defer_pv: bool = False  # wgmma: a key tile's P V issued behind the next tile's QK^T, run during its softmax
 
     @property
     def threads(self) -> int:
@@ -69,8 +68,6 @@ class TileConfig:
             t += "wg"
         if self.tma:
             t += "tma"
-        if self.defer_pv:
-            t += "df"
         return t
 
 
@@ -171,10 +168,6 @@ class KernelSpec:
             raise ValueError(f"fusednorm: tile {t.token} fills its stages by bulk tensor copies, which only the "
                              f"warpgroup-mma kernels and, on sm_90, head dims of an odd number of 16-byte chunks "
                              f"(d = 40) without a key split do")
-        if t.defer_pv and not (t.wgmma and t.stages >= 3 and self.rowsum_in_pv):
-            raise ValueError(f"fusednorm: tile {t.token} defers P V, which needs the warpgroup mma, a third stage for "
-                             f"the V in flight, and the row sums in P V (d = 64 with the block of ones in shared "
-                             f"memory)")
         # canonical forms, so that equal code means an equal key
         if self.q_from_qraw and (self.has_gamma or self.has_beta):  # folded into Wq': the kernel never reads them
             object.__setattr__(self, "has_gamma", False)
@@ -199,8 +192,6 @@ class KernelSpec:
         sm_90 long tile with d <= 64 likewise 2 and its many_keys tile 3 (<= 168 registers); elsewhere the compiler
         may use what it needs."""
         t = self.tile
-        if t.defer_pv:  # the scores of one key tile and the P of the last live at once: <= 255 registers
-            return 2 if t.warps == 4 else 1
         if t.key_split == 1 and t.m_tiles == 1 and t.warps == 4 and t.block_n <= 64 and self.head_dim <= 64:
             return 3
         if (t.one_tile and t.warps == 8 and t.m_tiles == 1 and self.head_dim <= 64

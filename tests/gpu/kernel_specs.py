@@ -6,7 +6,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import replace
 
-from fusednorm.codegen.spec import HEAD_DIMS, TILE_ROLES, KernelSpec, TileConfig, tile_for
+from fusednorm.codegen.spec import HEAD_DIMS, TILE_ROLES, KernelSpec, tile_for
 
 DTYPES = ("bf16", "fp16")
 NORMS = ("layer_affine", "layer_plain", "rms")
@@ -33,20 +33,6 @@ def copy_twin_tiles(role, d, arch=80, stage=False):
     return replace(tile_for(role, d, arch, stage), tma=False)
 
 
-# sm_90, d = 64: tiles whose P V runs behind the next step's QK^T (spec.TileConfig.defer_pv), swapped in for the
-# roles that carry key tiles from step to step, and for the one-tile-per-head role
-_DEFERRED = dict(key_split=1, stages=3, wgmma=True, tma=True, defer_pv=True)
-DEFERRED_PV_TILES = {"long": TileConfig(warps=4, m_tiles=1, block_n=96, **_DEFERRED),
-                     "many_keys": TileConfig(warps=4, m_tiles=1, block_n=96, **_DEFERRED),
-                     "few_keys": TileConfig(warps=4, m_tiles=1, block_n=80, one_tile=True, **_DEFERRED)}
-
-
-def deferred_pv_tiles(role, d, arch=80, stage=False):
-    if arch == 90 and d == 64 and role in DEFERRED_PV_TILES and not stage:
-        return DEFERRED_PV_TILES[role]
-    return tile_for(role, d, arch, stage)
-
-
 def family_specs(arch, dtype, d, norm_variant, mask, mask_f32=False, check=False, tiles=tile_for, affine_f32=False):
     """One kernel per tile role for these inputs (what one call may pick from). norm_variant "layer_gamma" is a
     LayerNorm without beta."""
@@ -70,8 +56,6 @@ def kernel_test_specs(arch: int) -> list[KernelSpec]:
     if arch == 90:  # the bulk-copy tiles' 16-byte-copy twins (a tile without TMA is its own twin: one key)
         for d, mask in TWIN_CASES + FEW_KEYS_TWIN_CASES:
             specs += family_specs(arch, "bf16", d, "layer_affine", mask, tiles=copy_twin_tiles)
-        for dtype, norm, mask in itertools.product(DTYPES, NORMS, MASKS):  # test_deferred_pv_tile
-            specs += family_specs(arch, dtype, 64, norm, mask, tiles=deferred_pv_tiles)
     return list({s.key: s for s in specs}.values())
 
 

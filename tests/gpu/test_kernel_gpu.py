@@ -24,8 +24,8 @@ from fusednorm.codegen import cache, launch, select  # noqa: E402
 from fusednorm.codegen.spec import (HEAD_DIMS, TILE_ROLES, WGMMA_HEAD_DIMS, WGMMA_ROLES, KernelSpec,  # noqa: E402
                                     tile_for)
 from fusednorm.reference import reference_pre_norm_cross_attn  # noqa: E402
-from kernel_specs import (FEW_KEYS_TWIN_CASES, MASKS, NORMS, TWIN_CASES, copy_twin_tiles,  # noqa: E402
-                          deferred_pv_tiles, family_specs, kernel_test_specs, tile_sets, tiles_of)
+from kernel_specs import (FEW_KEYS_TWIN_CASES, MASKS, NORMS, TWIN_CASES, copy_twin_tiles, family_specs,  # noqa: E402
+                          kernel_test_specs, tile_sets, tiles_of)
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 Q_LENS = (1, 3, 127, 129)
@@ -350,33 +350,6 @@ def test_every_tile_role_gives_the_same_bits_when_each_cta_works_through_many_it
             ref = reference64(x, k, v, g, b, m, "layer", 1e-5, None)
             assert rel_l2(wide, ref) <= 2 * rel_l2(eager_block(x, k, v, g, b, m, "layer", 1e-5, None), ref) + 1e-7
             assert torch.equal(narrow, wide), d
-
-
-@pytest.mark.skipif(_arch() != 90, reason="the warpgroup mma tiles with a deferred P V are sm_90's")
-@pytest.mark.parametrize("dtype", list(DTYPES))
-@pytest.mark.parametrize("norm_variant", NORMS)
-@pytest.mark.parametrize("role", ["many_keys", "few_keys"])
-def test_deferred_pv_tile(role, dtype, norm_variant, monkeypatch):
-    """Tiles whose P V runs behind the next step's QK^T, and a head's y behind its last P V: one key tile per head
-    or several, a partial last tile, heads and items following each other in one CTA (sm_count=1: a P V and a y
-    cross into the next head and the next item, warps past Lq), every mask; against float64, and the same bits on
-    the default grid and on one SM."""
-    codegen.forget_loaded_kernels()
-    monkeypatch.setattr(codegen, "tile_for", deferred_pv_tiles)
-    monkeypatch.setattr(select, "force_role", role)
-    gen = torch.Generator(device=DEV).manual_seed(int.from_bytes(os.urandom(4), "little"))
-    norm = "rms" if norm_variant == "rms" else "layer"
-    lengths = ((1, 1), (3, 96), (127, 97), (64, 192), (129, 1500), (200, 300)) if role == "many_keys" else \
-        ((1, 1), (3, 77), (127, 80), (129, 79), (200, 16))
-    for mask in MASKS:
-        for Lq, Lk in lengths:
-            check_case(DTYPES[dtype], 2, Lq, Lk, 3, 64, norm_variant, mask, gen)
-            assert launch.last_launched.endswith("df_sm90"), launch.last_launched
-        x, k, v, g, b, m = make_inputs(DTYPES[dtype], 5, 77, 300 if role == "many_keys" else 77, 3, 64, norm_variant,
-                                       mask, gen)
-        wide, narrow = (fused(x, k, v, g, b, m, norm, sm_count=s) for s in (None, 1))
-        assert torch.isfinite(wide).all() and torch.equal(narrow, wide), (mask, launch.last_launched)
-    codegen.forget_loaded_kernels()
 
 
 def test_decode_at_small_batch_splits_keys_between_ctas():

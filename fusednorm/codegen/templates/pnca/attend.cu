@@ -6,66 +6,14 @@
 // is straight: FILL_ALL (every tile but the last), FILL_LAST_PAIR (only the last 16 keys hold some past Lk: every
 // key pair is computed and only those are masked; with ONE_TILE, Lk = 77 of an 80-key stage), FILL_ANY.
 // first: the head's first tile, whose o, m, l are still 0, -inf, 0 (nothing to rescale).
-// DEFER_PV: v_last is the V tile of the step before, which pending's P multiplies; this tile's P V is left to the
-// next step (or the kernel's last), and the last step's is still in flight on return (land_pv waits for it).
 enum TileFill { FILL_ALL, FILL_LAST_PAIR, FILL_ANY };
-
-// DEFER_PV: the key tile whose P V the next step issues: its exponentials (fp32 until the P V in flight has read its
-// A registers), then packed as the A fragments of that P V, the factor that brings o to the tile's running maximum
-// first, and whether that P V starts o (its head's first tile) or adds to it.
-struct PendingPV {
-  float e[DEFER_PV ? S_NTILES : 1][4];
-  u32 p[DEFER_PV ? PV_KSTEPS : 1][4];
-  float alpha[2];  // rows g and g + 8
-  bool live;       // a tile is pending (false before the CTA's first step)
-  bool adds;       // its P V adds to o
-};
-
-// DEFER_PV: o to the pending tile's running maximum (the row sums' n-tile too), before the fence ahead of its P V.
-FN_INLINE void rescale_o(float (&o)[M_TILES][O_ACC_NTILES][4], const PendingPV& pending) {
-#pragma unroll
-  for (int nt = 0; nt < O_ACC_NTILES; ++nt)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) o[0][nt][e] *= pending.alpha[e >> 1];
-}
-
-// DEFER_PV: o (+)= P V over one stage's V, whose columns 64..71 are the row sums of P (B's second block is the block
-// of ones); issued and committed, not waited for.
-FN_INLINE void issue_pv(float (&o)[M_TILES][O_ACC_NTILES][4], const PendingPV& pending, const u16* v_tile) {
-  if constexpr (DEFER_PV) {
-    const u32 v_addr = smem_addr(v_tile);
-    const u64 v_desc = sw128_desc(v_addr, smem_addr(smem + OFF_ONES) - v_addr, 1024);
-#pragma unroll
-    for (int ks = 0; ks < PV_KSTEPS; ++ks)
-      wgmma_output(o[0], pending.p[ks], desc_advance(v_desc, ks * 16 * 128), pending.adds || ks > 0);
-    wgmma_commit();
-  }
-}
-
-// DEFER_PV, after each step's attend_tile: waits for the P V in flight (o then holds every tile of its head up to
-// the pending one), then packs this step's P for the next one. The kernel calls it past a branch, so that ptxas
-// cannot hoist the wait above the softmax it is meant to overlap (within one block it schedules the wait first).
-FN_INLINE void land_pv(float (&o)[M_TILES][O_ACC_NTILES][4], PendingPV& pending) {
-  if constexpr (DEFER_PV) {
-    wgmma_wait<0>();
-    pin_all(o[0]);
-    pin_all(pending.p);
-#pragma unroll
-    for (int ks = 0; ks < PV_KSTEPS; ++ks) {  // rows g, then g + 8, of n-tiles 2 ks and 2 ks + 1
-      pending.p[ks][0] = pack2_elem(pending.e[2 * ks][0], pending.e[2 * ks][1]);
-      pending.p[ks][1] = pack2_elem(pending.e[2 * ks][2], pending.e[2 * ks][3]);
-      pending.p[ks][2] = pack2_elem(pending.e[2 * ks + 1][0], pending.e[2 * ks + 1][1]);
-      pending.p[ks][3] = pack2_elem(pending.e[2 * ks + 1][2], pending.e[2 * ks + 1][3]);
-    }
-  }
-}
 
 template <int FILL>
 FN_INLINE void attend_tile(const Params& p, const QSource& src,
                            const u32 (&qf)[Q_IN_SMEM ? 1 : M_TILES][Q_IN_SMEM ? 1 : QK_KSTEPS][4], const u16* q_tile,
-                           const u16* k_tile, const u16* v_tile, const u16* v_last, int key0, int valid, int qrow0,
-                           long long mask_bh, bool first, float (&o)[M_TILES][O_ACC_NTILES][4],
-                           float (&m)[M_TILES][2], float (&l)[M_TILES][2], PendingPV& pending, int lane) {
+                           const u16* k_tile, const u16* v_tile, int key0, int valid, int qrow0, long long mask_bh,
+                           bool first, float (&o)[M_TILES][O_ACC_NTILES][4], float (&m)[M_TILES][2],
+                           float (&l)[M_TILES][2], int lane) {
   const int g = lane >> 2, t2 = (lane & 3) * 2;
   // Padded or unpadded stages: this lane's ldmatrix row and column as one byte address per tile, so that every
   // n-tile's and k-step's offset is an immediate. K: keys (lane & 7) + 8 * (lane >> 4), lanes 8-15 and 24-31 the
@@ -93,23 +41,14 @@ FN_INLINE void attend_tile(const Params& p, const QSource& src,
         for (int e = 0; e < 4; ++e) a[kk][e] = qf[0][kk][e];
       }
     }
-    if constexpr (DEFER_PV) rescale_o(o, pending);  // before the fence: the P V below accumulates onto it
     wgmma_fence();
     const u64 k_desc = sw128_desc(smem_addr(k_tile), 16, 1024);
 #pragma unroll
     for (int kk = 0; kk < QK_KSTEPS; ++kk)  // k-step kk: 32 bytes into each row of column block kk / 4
       wgmma_scores(s[0], a[kk], desc_advance(k_desc, (kk / 4) * KV_ROWS * 128 + (kk % 4) * 32), kk > 0);
     wgmma_commit();
-    if constexpr (DEFER_PV) {
-      // the last step's P V, queued behind these scores: it runs during their softmax (before the CTA's first step
-      // P = 0, with this step's V as B: no branch around a wgmma)
-      issue_pv(o, pending, pending.live ? v_last : v_tile);
-      wgmma_wait<1>();  // the scores; the P V stays in flight
-      pin_all(s[0]);
-    } else {
-      wgmma_wait<0>();
-      pin_all(s[0]);
-    }
+    wgmma_wait<0>();
+    pin_all(s[0]);
     pin_all(a);
   } else {
 #pragma unroll
@@ -211,7 +150,6 @@ FN_INLINE void attend_tile(const Params& p, const QSource& src,
   // P times a column of ones (with USE_WGMMA, 8 columns read from a block of ones): one mma per 16 keys instead of
   // an add per score and a quad reduction, and the sum of the same rounded P that the numerator uses.
   u32 pk[M_TILES][S_NTILES][2];
-  float alphas[M_TILES][2];  // DEFER_PV: o is rescaled by the next step, before its P V
 #pragma unroll
   for (int mt = 0; mt < M_TILES; ++mt)
 #pragma unroll
@@ -227,25 +165,18 @@ FN_INLINE void attend_tile(const Params& p, const QSource& src,
       const float m_use = m_new == neg_inf() ? 0.f : m_new;
       const float alpha = first ? 0.f : fast_exp2(m[mt][half] - m_use);
       m[mt][half] = m_new;
-      alphas[mt][half] = alpha;
 #pragma unroll
       for (int nt = 0; nt < S_NTILES; ++nt) {
         if (FILL == FILL_ANY && nt / 2 * 16 >= valid) {
           pk[mt][nt][half] = 0u;  // USE_WGMMA: p = 0 for its k-steps past the keys (mma.sync skips them)
-          s[mt][nt][2 * half] = s[mt][nt][2 * half + 1] = 0.f;  // (DEFER_PV: packed by land_pv)
           continue;
         }
         const float e0 = fast_exp2(fmaf(s[mt][nt][2 * half], c, -m_use));
         const float e1 = fast_exp2(fmaf(s[mt][nt][2 * half + 1], c, -m_use));
-        if constexpr (DEFER_PV) {  // packed by land_pv, into registers the P V in flight still reads
-          s[mt][nt][2 * half] = e0;
-          s[mt][nt][2 * half + 1] = e1;
-        } else {
-          pk[mt][nt][half] = pack2_elem(e0, e1);  // packed at once: the fp32 scores die here, not after P V
-        }
+        pk[mt][nt][half] = pack2_elem(e0, e1);  // packed at once: the fp32 scores die here, not after P V
       }
       l[mt][half] = first ? 0.f : l[mt][half] * alpha;  // P V adds this tile's sums
-      if (!DEFER_PV && (!USE_WGMMA || !first)) {  // a head's first wgmma P V overwrites o instead
+      if (!USE_WGMMA || !first) {  // a head's first wgmma P V overwrites o instead
 #pragma unroll
         for (int nt = 0; nt < O_ACC_NTILES; ++nt) {  // o starts here on a head's first tile: not live during QK^T
           o[mt][nt][2 * half] = first ? 0.f : o[mt][nt][2 * half] * alpha;
@@ -254,17 +185,6 @@ FN_INLINE void attend_tile(const Params& p, const QSource& src,
       }
     }
 
-  if constexpr (DEFER_PV) {  // P V stays in flight: land_pv, past a branch, waits for it
-#pragma unroll
-    for (int nt = 0; nt < S_NTILES; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) pending.e[nt][e] = s[0][nt][e];
-    pending.alpha[0] = alphas[0][0];
-    pending.alpha[1] = alphas[0][1];
-    pending.live = true;
-    pending.adds = !first;
-    return;
-  }
   if constexpr (USE_WGMMA) {  // O (+)= P V: V read N-major (transposed B), 16 keys = 2048 bytes per k-step
     // P 1: rows g and g + 8 in lc[0][0] and [2]. Started at 0 and added to l after: an accumulator that enters the
     // wgmma chain from ordinary registers made ptxas serialize every wgmma of the kernel.

@@ -101,22 +101,6 @@ FN_INLINE void load_step(const Params& p, const TmaMaps& maps, const StepCursor&
   }
 }
 
-// DEFER_PV: where the pending tile's head writes its y, once that tile's P V has landed (if it is the head's last).
-struct PendingHead {
-  bool last, rows;  // the head's last key tile; this warp has rows before Lq
-  int b, row0, col0, stage;
-  u16* x_warp;      // the warp's rows of the head's x slot
-};
-
-FN_INLINE void store_pending_head(const Params& p, const TmaMaps& maps, const PendingHead& h,
-                                  const float (&o)[M_TILES][O_ACC_NTILES][4], float (&l)[M_TILES][2], int lane,
-                                  bool& bad) {
-  if (!(DEFER_PV && h.last && h.rows)) return;
-  l[0][0] = o[0][O_NTILES][0];  // rows g and g + 8: the row sums rode in P V
-  l[0][1] = o[0][O_NTILES][2];
-  store_output_rows(p, maps, h.b, p.y + (long long)h.b * p.q_len * p.y_ld, h.row0, h.col0, o, l, h.x_warp, lane, bad);
-}
-
 extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS_PER_SM)
     KERNEL_NAME(const Params p, const __grid_constant__ TmaMaps maps) {
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
@@ -152,14 +136,14 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS_PER_SM)
   const int key_tiles = ONE_TILE ? 1 : (p.kv_len + KV_ROWS - 1) / KV_ROWS;
   bool bad = false;
 
-  // Prologue: the first LOOKAHEAD steps in flight.
+  // Prologue: the first STAGES - 1 steps in flight.
   StepCursor cur;
   cur.item = blockIdx.x;
   cur.head_seq = 0;
   cursor_enter_item(p, cur, key_tiles);
   StepCursor ahead = cur;
 #pragma unroll
-  for (int s = 0; s < LOOKAHEAD; ++s) {
+  for (int s = 0; s < STAGES - 1; ++s) {
     if (ahead.item < p.items) {
       load_step(p, maps, ahead, s, k_stages, v_stages, x_slots, affine_slots, bars, tid);
       cursor_advance(p, ahead, key_tiles);
@@ -170,12 +154,6 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS_PER_SM)
   u32 qf[Q_IN_SMEM ? 1 : M_TILES][Q_IN_SMEM ? 1 : QK_KSTEPS][4];
   float o[M_TILES][O_ACC_NTILES][4];
   float m[M_TILES][2], l[M_TILES][2];
-  PendingPV pending_p;    // DEFER_PV: the tile whose P V the next step issues (see attend.cu)
-  PendingHead pending_h;  // and the head it belongs to, whose y follows that P V if it is the head's last tile
-  if constexpr (DEFER_PV) {  // nothing pending yet (P = 0, with no y to write after it)
-    pending_p = PendingPV{};
-    pending_h = PendingHead{};
-  }
 
 #pragma unroll 1
   for (int stage = 0; cur.item < p.items; stage = stage + 1 == STAGES ? 0 : stage + 1) {
@@ -202,7 +180,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS_PER_SM)
 #pragma unroll
       for (int mt = 0; mt < M_TILES && !ONE_TILE; ++mt) {  // ONE_TILE: attend_tile starts them (Lk >= 1)
 #pragma unroll
-        for (int nt = 0; nt < O_ACC_NTILES && !DEFER_PV; ++nt)  // DEFER_PV: o is the last head's until its y
+        for (int nt = 0; nt < O_ACC_NTILES; ++nt)
 #pragma unroll
           for (int e = 0; e < 4; ++e) o[mt][nt][e] = 0.f;
         m[mt][0] = m[mt][1] = neg_inf();
@@ -224,15 +202,14 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS_PER_SM)
     // ordered before the bulk copy that refills it
     if constexpr (USE_WGMMA || USE_TMA) fence_proxy_async();
     __syncthreads();  // this step's stage is visible to all warps; the stage refilled below is free
-    if constexpr (ONE_TILE) {  // the step LOOKAHEAD ahead, worked out again rather than carried (registers)
+    if constexpr (ONE_TILE) {  // the step STAGES - 1 ahead, worked out again rather than carried (registers)
       ahead = cur;
 #pragma unroll
-      for (int s = 0; s < LOOKAHEAD; ++s) cursor_advance(p, ahead, key_tiles);
+      for (int s = 0; s < STAGES - 1; ++s) cursor_advance(p, ahead, key_tiles);
     }
     if (ahead.item < p.items) {
-      // the stage of the step before this one (DEFER_PV: two before), LOOKAHEAD steps ahead of this one
-      const int fill = DEFER_PV ? (stage < 2 ? stage + STAGES - 2 : stage - 2) : (stage == 0 ? STAGES - 1 : stage - 1);
-      load_step(p, maps, ahead, fill, k_stages, v_stages, x_slots, affine_slots, bars, tid);
+      load_step(p, maps, ahead, stage == 0 ? STAGES - 1 : stage - 1, k_stages, v_stages, x_slots, affine_slots, bars,
+                tid);
       if constexpr (!ONE_TILE) cursor_advance(p, ahead, key_tiles);
     }
     cp_async_commit();
@@ -245,28 +222,22 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS_PER_SM)
     const int warp_key_offset = KEY_SPLIT > 1 ? warp * BLOCK_N : 0;
     const int key0 = cur.tile * KV_ROWS + warp_key_offset;
     const int valid = min(BLOCK_N, p.kv_len - key0);
-    if ((DEFER_PV || attend_rows) && valid > 0) {  // DEFER_PV: rows past Lq too (their P V carries a head's y)
+    if (attend_rows && valid > 0) {
       const long long mask_bh = MASK_KIND != 0 ? cur.b * p.m_sb + cur.head * p.m_sh : 0;
       const u16* k_tile = k_stages + stage * KV_TILE_ELEMS + warp_key_offset * KV_ROW_ELEMS;
       const u16* v_tile = v_stages + stage * KV_TILE_ELEMS + warp_key_offset * KV_ROW_ELEMS;
-      // DEFER_PV: the V of the step before (the stage before this one), which the pending P multiplies
-      const u16* v_last = v_stages + (stage == 0 ? STAGES - 1 : stage - 1) * KV_TILE_ELEMS;
       if (valid == BLOCK_N)
-        attend_tile<FILL_ALL>(p, src, qf, q_tile, k_tile, v_tile, v_last, key0, valid, row0, mask_bh, head_first, o,
-                              m, l, pending_p, lane);
+        attend_tile<FILL_ALL>(p, src, qf, q_tile, k_tile, v_tile, key0, valid, row0, mask_bh, head_first, o, m, l,
+                              lane);
       else if (ONE_TILE && valid > BLOCK_N - 16)  // every head's one tile: worth its own copy of the code
-        attend_tile<FILL_LAST_PAIR>(p, src, qf, q_tile, k_tile, v_tile, v_last, key0, valid, row0, mask_bh,
-                                    head_first, o, m, l, pending_p, lane);
+        attend_tile<FILL_LAST_PAIR>(p, src, qf, q_tile, k_tile, v_tile, key0, valid, row0, mask_bh, head_first, o,
+                                    m, l, lane);
       else
-        attend_tile<FILL_ANY>(p, src, qf, q_tile, k_tile, v_tile, v_last, key0, valid, row0, mask_bh, head_first, o,
-                              m, l, pending_p, lane);
+        attend_tile<FILL_ANY>(p, src, qf, q_tile, k_tile, v_tile, key0, valid, row0, mask_bh, head_first, o, m, l,
+                              lane);
     }
 
-    if constexpr (DEFER_PV) {
-      land_pv(o, pending_p);  // the last step's P V, landed past the branch above
-      store_pending_head(p, maps, pending_h, o, l, lane, bad);
-      pending_h = PendingHead{head_last, warp_rows, cur.b, row0, col0, stage, x_warp};
-    } else if (head_last) {
+    if (head_last) {
       if constexpr (KEY_SPLIT > 1) {
         const long long unit = ((long long)cur.b * p.row_blocks + cur.row_block) * p.heads + cur.head;
         combine_and_store(p, unit, cur.chunk, x_tile, y_batch, row0, col0, o, m, l, k_stages + stage * KV_TILE_ELEMS,
@@ -276,15 +247,6 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS_PER_SM)
       }
     }
     cursor_advance(p, cur, key_tiles);
-  }
-  if constexpr (DEFER_PV) {
-    if (pending_p.live) {  // the CTA's last P V (always its head's last tile), then that head's y
-      rescale_o(o, pending_p);
-      wgmma_fence();
-      issue_pv(o, pending_p, v_stages + pending_h.stage * KV_TILE_ELEMS);
-      land_pv(o, pending_p);
-      store_pending_head(p, maps, pending_h, o, l, lane, bad);
-    }
   }
   cp_async_wait<0>();
   if constexpr (USE_TMA) {

@@ -20,9 +20,7 @@
 // k-step, A (Q, then P) from registers, B (K, then V) read by the tensor cores straight from the stage, which then
 // holds K and V in the 128-byte-swizzle layout wgmma reads instead of padded rows. No K/V fragments pass through
 // registers; the row sums of P come from P times a block of ones: 8 more columns of the P V wgmma (ROWSUM_IN_PV,
-// d = 64), or a third, narrow wgmma. With DEFER_PV each step's P V is issued behind the next step's QK^T and runs
-// on the tensor cores during that step's softmax (the overlap within a warpgroup of FlashAttention-3), across heads
-// too: a head's y is written by the step after its last, once that P V has landed.
+// d = 64), or a third, narrow wgmma.
 // With USE_TMA (the sm_90 wgmma tiles, and d = 40's few-key tile: see DENSE_ROWS) one thread, or in the dense tile
 // the first lanes of warps 0-2 (COPY_WARPS), fill a stage with bulk tensor copies (K and V, and on a head's first
 // stage its x slice when needed, through the tensor maps in TmaMaps) that complete on the stage's mbarrier, instead
@@ -104,11 +102,6 @@ constexpr int O_NTILES = HEAD_DIM / 8;
 constexpr int O_ACC_NTILES = O_NTILES + (ROWSUM_IN_PV ? 1 : 0);
 constexpr int PV_KSTEPS = BLOCK_N / 16;
 constexpr bool KV_CHUNKED = KEY_SPLIT > 1;  // the key-split tiles may also split a head's keys between CTAs
-// Steps whose copies are in flight ahead of the one being worked on. With DEFER_PV a step still reads the V of the
-// step before it (its deferred P V), so that stage is refilled one step later: one stage more for the same lead.
-constexpr int LOOKAHEAD = STAGES - 1 - (DEFER_PV ? 1 : 0);
-static_assert(!DEFER_PV || (USE_WGMMA && ROWSUM_IN_PV && STAGES >= 3),
-              "deferred P V: wgmma tiles, the row sums in P V, a stage for the V (and x slice) in flight");
 constexpr int PART_ROW = HEAD_DIM + 4;      // floats per row of a chunk's partial state: o, then m and l, padded
 static_assert(KEY_SPLIT == 1 || (KEY_SPLIT == WARPS && M_TILES == 1), "key split shares one m-tile");
 static_assert(!ONE_TILE || KEY_SPLIT == 1, "one tile per head: every warp sees all keys");
