@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from fusednorm.codegen.cache import MAGIC  # noqa: E402
 from fusednorm.codegen.nvrtc import elf_sections  # noqa: E402
+from sass_census import find_nvdisasm  # noqa: E402  (beside this file)
 
 SOURCE_ONLY = ("line", "debug", ".symtab", ".strtab", ".shstrtab")
 
@@ -78,7 +79,6 @@ def main() -> int:
     for key, names in sorted(differing.items())[:20]:
         print(f"  {key}: {', '.join(names)}")
     if args.sass and differing:
-        from sass_census import find_nvdisasm
         nvdisasm = find_nvdisasm()
         if nvdisasm is None:
             raise SystemExit("--sass needs nvdisasm (the CUDA toolkit's, or the nvidia-cuda-nvdisasm wheel)")
