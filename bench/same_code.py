@@ -20,16 +20,14 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from fusednorm.codegen.cache import MAGIC  # noqa: E402
 from fusednorm.codegen.nvrtc import elf_sections  # noqa: E402
-from sass_census import find_nvdisasm  # noqa: E402  (beside this file)
+from sass_census import disassemble, find_nvdisasm  # noqa: E402  (beside this file)
 
 SOURCE_ONLY = ("line", "debug", ".symtab", ".strtab", ".shstrtab")
 
@@ -52,11 +50,7 @@ def cache_cubins(folder: Path) -> dict[str, bytes]:
 
 def sass(cubin: bytes, nvdisasm: str) -> list[str]:
     """The cubin's instructions as text, without addresses and encodings."""
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        text = subprocess.run([nvdisasm, "-c", f.name], capture_output=True, text=True, check=True).stdout
-    lines = (re.sub(r"/\*.*?\*/", "", line).strip() for line in text.splitlines())
+    lines = (re.sub(r"/\*.*?\*/", "", line).strip() for line in disassemble(cubin, nvdisasm).splitlines())
     return [line for line in lines if line]
 
 

@@ -39,6 +39,14 @@ def find_nvdisasm() -> str | None:
     return None
 
 
+def disassemble(cubin: bytes, nvdisasm: str) -> str:
+    """nvdisasm -c of a cubin: one instruction per line, each after its address comment."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        return subprocess.run([nvdisasm, "-c", f.name], capture_output=True, text=True, check=True).stdout
+
+
 def census(tree: Path, nvdisasm: str, keys: list[str]) -> dict[str, tuple[int, int, int]]:
     """{spec key without its tile token: (registers, spill bytes, SASS instructions)} for the tree's fusednorm."""
     sys.path.insert(0, str(tree))
@@ -55,9 +63,7 @@ def census(tree: Path, nvdisasm: str, keys: list[str]) -> dict[str, tuple[int, i
                 if keys and not all(k in name or k in spec.key for k in keys):
                     continue
                 kernel = cache.get_kernel(spec, scratch)
-                cubin = scratch / f"{spec.key}.cubin"
-                cubin.write_bytes(kernel.cubin)
-                sass = subprocess.run([nvdisasm, "-c", str(cubin)], capture_output=True, text=True, check=True).stdout
+                sass = disassemble(kernel.cubin, nvdisasm)
                 count = len(re.findall(r"^\s+/\*[0-9a-f]{4,}\*/", sass, re.M))
                 out[f"{name} {spec.tile.token}"] = (kernel.usage.registers, kernel.usage.spill_stores, count)
     shutil.rmtree(scratch, ignore_errors=True)
