@@ -228,7 +228,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS_PER_SM)
                                  p.qraw + ((long long)cur.b * p.q_len + row0) * p.q_ld,
                                  x_slot(cur, stage), lane);
     if constexpr (PROJ_ITEMS) {
-      if (head_first) wait_for_q_tiles(p, cur.head);
+      if (head_first) wait_for_q_tiles(p, cur.head, tid);
     }
     if (head_first && attend_rows) q_fragments(p, src, q_tile, qf, lane);
 

@@ -34,7 +34,7 @@ FN_INLINE int* proj_heads_done(const Params& p) { return p.proj_flags + proj_q_t
 // acc = a[0:rows, 0:K] @ w[0:w_rows, 0:K]^T for this warp's m-tiles and PROJ_N columns (w: the tile's first
 // weight row), K in chunks of PROJ_KC through a ring of PROJ_BUFS in shared memory (the stages' space: no stage is
 // in flight around it). before_chunk(c) runs in every thread before chunk c's copies are issued (the out tile
-// waits there for its heads; each thread acquires for its own copies). Rows past `rows` and columns past K read
+// waits there for its heads). Rows past `rows` and columns past K read
 // as zeros.
 template <class BeforeChunk>
 FN_INLINE void proj_gemm(const u16* a, long long lda, int rows, const u16* w, long long ldw, int w_rows, int K,
@@ -135,11 +135,18 @@ FN_INLINE void project_q_tile(const Params& p, int tile, int warp, int lane, int
   if (tid == 0) atomicExch(p.proj_flags + tile, 1);
 }
 
-// Before a head's first step: every thread waits until the Q tiles holding the head's columns are written.
-FN_INLINE void wait_for_q_tiles(const Params& p, int head) {
+// One thread of the CTA polls (not all of them: one word, polled from every SM), and the barrier passes what it
+// acquired on to the CTA's other threads.
+FN_INLINE void wait_until_at_least(const int* word, int value, int tid) {
+  if (tid == 0)
+    while (ld_acquire_gpu(word) < value) __nanosleep(256);
+  __syncthreads();
+}
+
+// Before a head's first step (every thread): wait until the Q tiles holding the head's columns are written.
+FN_INLINE void wait_for_q_tiles(const Params& p, int head, int tid) {
   const int first = head * HEAD_DIM / PROJ_N, last = ((head + 1) * HEAD_DIM - 1) / PROJ_N;
-  for (int t = first; t <= last; ++t)
-    while (ld_acquire_gpu(p.proj_flags + t) == 0) __nanosleep(64);
+  for (int t = first; t <= last; ++t) wait_until_at_least(p.proj_flags + t, 1, tid);
 }
 
 // After a head's last step of an item: the item's o columns of that head are written (every thread's stores).
@@ -161,8 +168,7 @@ FN_INLINE void project_out_tile(const Params& p, int tile, int warp, int lane, i
   const auto wait_for_heads = [&](int c) {
     const int end = min(K, (c + 1) * PROJ_KC);
     const int need = end > attn_cols ? p.heads : (end + HEAD_DIM - 1) / HEAD_DIM;
-    for (; heads_ready < need; ++heads_ready)
-      while (ld_acquire_gpu(done + heads_ready) < items_per_head) __nanosleep(64);
+    for (; heads_ready < need; ++heads_ready) wait_until_at_least(done + heads_ready, items_per_head, tid);
   };
   float acc[PROJ_WARP_MTILES][PROJ_N / 8][4];
   proj_gemm(p.y, p.y_ld, rows, p.wo + (long long)n0 * K, K, min(PROJ_N, D - n0), K, acc, warp, lane, tid,
