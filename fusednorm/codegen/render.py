@@ -16,7 +16,6 @@ TEMPLATES = (
     "pnca/stage_loads.cu",     # the 16-byte copies that fill a pipeline stage
     "pnca/attend.cu",          # step 3: online-softmax attention over one K/V tile
     "pnca/epilogue.cu",        # step 4: y = x + o (the key split and the chunk merge included)
-    "pnca/projections.cu",     # PROJ_ITEMS: the plan's two GEMMs as work items of the same launch
     "pnca/kernel.cu",          # the step sequence, the pipeline along it, and the kernel
 )
 
@@ -56,8 +55,6 @@ def config_constants(spec: KernelSpec) -> dict:
         "Q_FROM_QRAW": spec.q_from_qraw,
         "WRITE_O": spec.write_o,
         "GROUPED_STATS": spec.grouped_stats,
-        "PROJ_ITEMS": spec.proj_items,
-        "PROJ_BUFS": spec.proj_bufs,
         "SMEM_BYTES": spec.smem_bytes(),
         "MIN_CTAS_PER_SM": spec.min_ctas_per_sm,
     }
