@@ -48,3 +48,20 @@ def test_sass_mode_sees_through_a_new_constant_but_not_a_changed_instruction():
     assert code_sections(with_constant) != code_sections(base)
     assert sass(with_constant, nvdisasm) == sass(base, nvdisasm)
     assert sass(other, nvdisasm) != sass(base, nvdisasm)
+
+
+def test_mask_params_sees_through_a_field_added_to_params():
+    """--mask-params: a field added to struct Params after its pointers moves the offsets of the fields after it
+    (so the instructions differ as text) and changes nothing else."""
+    import re
+
+    nvdisasm = find_nvdisasm()
+    spec = KernelSpec("bf16", 64, "layer", True, True, False, "add", False, tile_for("few_keys", 64), 80, False)
+    source = render(spec)
+    size = int(re.search(r"static_assert\(sizeof\(Params\) == (\d+),", source).group(1))
+    assert source.count("  long long k_sb, k_sh, k_sl;\n") == 1
+    wider = source.replace("  long long k_sb", "  const void* unused_field;\n  long long k_sb").replace(
+        f"sizeof(Params) == {size},", f"sizeof(Params) == {size + 8},")
+    base, moved = (compile_to_cubin(s, spec.key, spec.arch)[0] for s in (source, wider))
+    assert sass(moved, nvdisasm) != sass(base, nvdisasm)
+    assert sass(moved, nvdisasm, mask_params=True) == sass(base, nvdisasm, mask_params=True)
