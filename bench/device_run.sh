@@ -59,8 +59,8 @@ for step in $STEPS; do
         echo "$tool: exit $?, $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/$tool.log")"
       done ;;
     width) timeout 200 python3 bench/param_width.py ${WIDTH_SHAPES:+--shapes $WIDTH_SHAPES} 2>&1 | tee "$OUT/param_width.log" ;;
-    onelaunch) timeout 200 python3 bench/probe_one_launch.py ${ONE_SHAPES:+--shapes $ONE_SHAPES} 2>&1 | tee "$OUT/probe_one_launch.log"
-      timeout 100 python3 bench/probe_one_launch.py --lk 16 --no-inductor --shapes 64x1,1x1 2>&1 | tee -a "$OUT/probe_one_launch.log" ;;
+    onelaunch) timeout 150 python3 bench/probe_one_launch.py ${ONE_SHAPES:+--shapes $ONE_SHAPES} 2>&1 | tee "$OUT/probe_one_launch.log"
+      timeout 60 python3 bench/probe_one_launch.py --lk 16 --no-inductor --shapes 64x1,1x1 2>&1 | tee -a "$OUT/probe_one_launch.log" ;;
     probe) timeout 150 python3 bench/probe_copies.py 2>&1 | tee "$OUT/probe_copies.log" | tail -30 ;;
     host) timeout 120 python3 bench/host_profile_plan.py > "$OUT/host_profile.log" 2>&1; head -30 "$OUT/host_profile.log"
       timeout 60 python3 bench/host_dispatch.py --device cuda 2>&1 | tee "$OUT/host_dispatch.log" ;;
