@@ -172,9 +172,9 @@ class StageIO:
     q_b: torch.Tensor | None = None   # [H * d] float32, Wq @ beta + bq
     o_cols: int = 0                   # > 0: return o as [B, Lq, o_cols] (no residual); past H * d, a ones column
     x_copy: torch.Tensor | None = None  # with o_cols: [B * Lq, D], contiguous, receives a copy of x (the out GEMM's C)
-    # the whole block in one launch (spec.proj_items: at most spec.PROJ_ROWS rows): qraw is then the launch's float32
-    # scratch (one_launch_scratch: the GEMMs' parts; its first rows * H * d floats viewed as [rows, H * d]), written
-    # by the launch itself from x and wq, and y_out receives x + [o, 1] @ wo^T
+    # the whole block in one launch (spec.proj_items: at most spec.PROJ_ROWS rows): qraw is then the start of the
+    # launch's float32 scratch (one_launch_scratch: qraw, then the GEMMs' parts), written by the launch itself from
+    # x and wq, and y_out receives x + [o, 1] @ wo^T
     wq: torch.Tensor | None = None    # [H * d, D] contiguous: Wq' (plans/weights.py)
     wo: torch.Tensor | None = None    # [D, o_cols] contiguous: [Wo, bo, 0..]
     y_out: torch.Tensor | None = None  # [B, Lq, D] contiguous
@@ -256,10 +256,10 @@ def run_kernel(x, k, v, gamma, beta, mask, norm, eps, scale, sm_count, check_num
     else:
         tickets = part_floats = 0
     proj_flags_at, grid = -1, plan.grid
-    if stage.proj_items:  # after the chunks' tickets: Q tiles' parts, items done per head, out tiles' parts, out
-        # tasks taken, CTAs left; and every CTA slot, since CTAs without attention items take projection tasks
+    if stage.proj_items:  # after the chunks' tickets: Q tiles summed, items done per head, out and Q tiles' parts,
+        # out tasks taken, CTAs left; and every CTA slot, since CTAs without attention items take projection tasks
         proj_flags_at = tickets
-        tickets += _cdiv(H * d, PROJ_TILE_N) + H + _cdiv(D, PROJ_TILE_N) + 2
+        tickets += 2 * _cdiv(H * d, PROJ_TILE_N) + H + _cdiv(D, PROJ_TILE_N) + 2
         grid = sms * kernel.ctas_per_sm
     call = CallPlan(kernel, grid, bool(check_numerics), (
         ks[0], ks[1], ks[2], vs[0], vs[1], vs[2], m_strides[0], m_strides[1], m_strides[2],
@@ -432,11 +432,12 @@ def _stage_pointers(stage: StageIO | None) -> tuple:
 
 
 def one_launch_scratch(rows: int, heads_dim: int, model_dim: int, o_cols: int, device) -> torch.Tensor:
-    """StageIO.qraw for a block in one launch: the Q tasks' parts [parts of D][rows][H * d], then the out tasks'
-    [parts of o_cols][rows][D] (templates/pnca/projections.cu), as a [rows, H * d] view of its start."""
+    """StageIO.qraw for a block in one launch: qraw [rows][H * d], the Q tasks' parts [parts of D][rows][H * d],
+    then the out tasks' [parts of o_cols][rows][D] (templates/pnca/projections.cu), as a [rows, H * d] view of its
+    start."""
     from .spec import proj_parts
 
-    floats = rows * (proj_parts(model_dim) * heads_dim + proj_parts(o_cols) * model_dim)
+    floats = rows * ((1 + proj_parts(model_dim)) * heads_dim + proj_parts(o_cols) * model_dim)
     return torch.empty(floats, dtype=torch.float32, device=device).as_strided((rows, heads_dim), (heads_dim, 1))
 
 

@@ -3,12 +3,12 @@
 // they become work items of the attention stage's persistent grid. Each GEMM is cut into tasks of PROJ_N output
 // columns by PROJ_PART_K of its K (all rows), so that no CTA runs a long chain of K-steps: a tile of all of K was one
 // CTA's serial chain of 20 steps at ~1 us each (thirty-third run), where cuBLAS spreads the GEMM over 80 CTAs.
-//   Q tasks    part s of qraw[:, n0:n0+PROJ_N] = x[:, K_s] @ Wq'[n0:n0+PROJ_N, K_s]^T, float32, into its own slice
-//              of the scratch (q partials); dealt from the last CTA down, before the CTA's attention items (and
-//              where the stages allow, with the items' first copies in flight: PROJ_RING_IN_STAGE)
-//   attention  the stage as usual; an item's first step of a head waits until every part of the Q tiles holding
-//              the head's columns is written, and sums the parts in order as it reads q; its last step counts the
-//              head done
+//   Q tasks    part s of qraw[:, n0:n0+PROJ_N] = x[:, K_s] @ Wq'[n0:n0+PROJ_N, K_s]^T, float32, into the scratch;
+//              the part that completes a tile adds the tile's parts in part order into qraw. Dealt from the last
+//              CTA down, before the CTA's attention items (and where the stages allow, with the items' first copies
+//              in flight: PROJ_RING_IN_STAGE)
+//   attention  the stage as usual; an item's first step of a head waits until the Q tiles holding the head's
+//              columns are summed; its last step counts the head done
 //   out tasks  part s of x + [o, 1] @ [Wo, bo]^T for y's columns [n0, n0 + PROJ_N): waits for the heads whose o
 //              columns K_s covers, writes a float32 partial; the part that finishes a tile last adds x and the
 //              tile's partials in part order and rounds once into y. Taken from a queue (one atomic per task) by
@@ -17,9 +17,9 @@
 // waits are short. No wait can deadlock: Q tasks wait for nothing; attention waits only for Q tasks, which every
 // CTA runs before its attention items; out tasks wait only for attention items, whose CTAs wait for nothing but Q
 // tasks. The sums run in a fixed order, so y is the same bits whatever the grid (sm_count).
-// Scratch (p.qraw, float32): [q parts][rows][q_ld] then [out parts][rows][D].
-// p.proj_flags (zero at the start, left zero by the last CTA to leave): [q tiles] parts written, [heads] (batch,
-// row block, key run) items done, [out tiles] parts written, [1] out tasks taken, [1] CTAs that left.
+// Scratch (p.qraw, float32): qraw [rows][q_ld], its parts [q parts][rows][q_ld], then y's [out parts][rows][D].
+// p.proj_flags (zero at the start, left zero by the last CTA to leave): [q tiles] summed, [heads] (batch, row block,
+// key run) items done, [out tiles] parts written, [q tiles] parts written, [1] out tasks taken, [1] CTAs that left.
 
 constexpr int PROJ_M = 64;                          // the block's rows, all in one tile
 constexpr int PROJ_N = 32;                          // output columns per task: 40 tiles of Whisper's 1280
@@ -51,10 +51,12 @@ FN_INLINE int proj_q_parts(const Params& p) { return proj_parts(p.model_dim); }
 FN_INLINE int proj_out_parts(const Params& p) { return proj_parts((int)p.y_ld); }
 FN_INLINE int* proj_heads_done(const Params& p) { return p.proj_flags + proj_q_tiles(p); }
 FN_INLINE int* proj_out_done(const Params& p) { return proj_heads_done(p) + p.heads; }
-FN_INLINE int* proj_out_next(const Params& p) { return proj_out_done(p) + proj_out_tiles(p); }
+FN_INLINE int* proj_q_done(const Params& p) { return proj_out_done(p) + proj_out_tiles(p); }
+FN_INLINE int* proj_out_next(const Params& p) { return proj_q_done(p) + proj_q_tiles(p); }
 FN_INLINE long long proj_rows(const Params& p) { return (long long)p.batch * p.q_len; }
+FN_INLINE float* proj_q_partials(const Params& p) { return const_cast<float*>(p.qraw) + proj_rows(p) * p.q_ld; }
 FN_INLINE float* proj_out_partials(const Params& p) {
-  return const_cast<float*>(p.qraw) + proj_q_parts(p) * proj_rows(p) * p.q_ld;
+  return proj_q_partials(p) + proj_q_parts(p) * proj_rows(p) * p.q_ld;
 }
 
 // acc = a[0:rows, k0:k1] @ w[0:w_rows, k0:k1]^T for this warp's m-tiles and PROJ_N columns (w: the tile's first
@@ -154,6 +156,47 @@ FN_INLINE int publish_and_count(int* counter, int tid) {
   return before;
 }
 
+// For each element pair (r, n0 + c) of a tile's rows and PROJ_N columns below n_end: the sum of its `parts` float32
+// parts (part j at base + j * part_stride + r * ld + n0 + c), added in part order, handed to f(offset r * ld + n0 + c,
+// sum). A thread loads PROJ_SUM_BATCH parts of all its pairs at once (16 loads in flight): the loads are L2 round
+// trips, which one after another took ~50 us per tile (thirty-fourth run).
+constexpr int PROJ_SUM_PAIRS = (PROJ_M * PROJ_N / 2 + THREADS - 1) / THREADS;  // pairs per thread
+constexpr int PROJ_SUM_BATCH = PROJ_SUM_PAIRS >= 16 ? 1 : 16 / PROJ_SUM_PAIRS;
+template <class F>
+FN_INLINE void sum_parts(const float* base, long long part_stride, long long ld, int rows, int n0, int n_end,
+                         int parts, int tid, F f) {
+  float2 sum[PROJ_SUM_PAIRS];
+  long long at[PROJ_SUM_PAIRS];
+  bool live[PROJ_SUM_PAIRS];
+#pragma unroll
+  for (int u = 0; u < PROJ_SUM_PAIRS; ++u) {
+    const int i = tid + u * THREADS, r = i / (PROJ_N / 2), c = n0 + (i % (PROJ_N / 2)) * 2;
+    live[u] = r < rows && c < n_end;  // n_end is even
+    at[u] = r * ld + c;
+    sum[u] = make_float2(0.f, 0.f);
+  }
+  for (int j0 = 0; j0 < parts; j0 += PROJ_SUM_BATCH) {
+    float2 v[PROJ_SUM_BATCH][PROJ_SUM_PAIRS];
+#pragma unroll
+    for (int j = 0; j < PROJ_SUM_BATCH; ++j)
+#pragma unroll
+      for (int u = 0; u < PROJ_SUM_PAIRS; ++u)
+        v[j][u] = live[u] && j0 + j < parts
+                      ? __ldcg(reinterpret_cast<const float2*>(base + (j0 + j) * part_stride + at[u]))
+                      : make_float2(0.f, 0.f);
+#pragma unroll
+    for (int j = 0; j < PROJ_SUM_BATCH; ++j)
+#pragma unroll
+      for (int u = 0; u < PROJ_SUM_PAIRS; ++u) {
+        sum[u].x += v[j][u].x;
+        sum[u].y += v[j][u].y;
+      }
+  }
+#pragma unroll
+  for (int u = 0; u < PROJ_SUM_PAIRS; ++u)
+    if (live[u]) f(at[u], sum[u]);
+}
+
 // Q task t (tile-major: the first heads' tiles first): part s of qraw's columns [n0, n0 + PROJ_N), float32.
 FN_INLINE void project_q_part(const Params& p, int task, int warp, int lane, int tid) {
   const int parts = proj_q_parts(p), tile = task / parts, s = task - tile * parts;
@@ -162,10 +205,15 @@ FN_INLINE void project_q_part(const Params& p, int task, int warp, int lane, int
   float acc[PROJ_WARP_MTILES][PROJ_N / 8][4];
   proj_gemm(p.x, p.model_dim, rows, p.wq + (long long)n0 * p.model_dim, p.model_dim, min(PROJ_N, n_all - n0), k0,
             k1, acc, warp, lane, tid);
-  float* part = const_cast<float*>(p.qraw) + s * proj_rows(p) * p.q_ld;
+  float* parts_base = proj_q_partials(p);
   proj_for_each_pair(acc, rows, warp, lane, [&](int r, int c, float2 v) {
-    if (n0 + c < n_all) __stcg(reinterpret_cast<float2*>(part + r * p.q_ld + n0 + c), v);  // n_all is even
+    if (n0 + c < n_all) __stcg(reinterpret_cast<float2*>(parts_base + (s * proj_rows(p) + r) * p.q_ld + n0 + c), v);
   });
+  if (publish_and_count(proj_q_done(p) + tile, tid) != parts - 1) return;
+  __threadfence();  // the other parts, published before their counts, are read below
+  float* qraw = const_cast<float*>(p.qraw);
+  sum_parts(parts_base, proj_rows(p) * p.q_ld, p.q_ld, rows, n0, n_all, parts, tid,
+            [&](long long at, float2 sum) { __stcg(reinterpret_cast<float2*>(qraw + at), sum); });
   publish_and_count(p.proj_flags + tile, tid);
 }
 
@@ -175,11 +223,10 @@ FN_INLINE void project_q_parts(const Params& p, int warp, int lane, int tid) {
     project_q_part(p, t, warp, lane, tid);
 }
 
-// Before a head's first step (every thread): wait until every part of the Q tiles holding the head's columns is
-// written (q_fragments then sums the parts).
+// Before a head's first step (every thread): wait until the Q tiles holding the head's columns are summed.
 FN_INLINE void wait_for_q_tiles(const Params& p, int head, int tid) {
   const int first = head * HEAD_DIM / PROJ_N, last = ((head + 1) * HEAD_DIM - 1) / PROJ_N;
-  for (int t = first; t <= last; ++t) wait_until_at_least(p.proj_flags + t, proj_q_parts(p), tid);
+  for (int t = first; t <= last; ++t) wait_until_at_least(p.proj_flags + t, 1, tid);
 }
 
 // After a head's last step of an item: the item's o columns of that head are written (every thread's stores).
@@ -207,21 +254,12 @@ FN_INLINE void project_out_part(const Params& p, int task, int warp, int lane, i
   const int parts = proj_out_parts(p);
   if (publish_and_count(proj_out_done(p) + tile, tid) != parts - 1) return;
   __threadfence();  // the other parts' partials, published before their counts, are read below
-  for (int i = tid; i < rows * (PROJ_N / 2); i += THREADS) {
-    const int r = i / (PROJ_N / 2), c = n0 + (i % (PROJ_N / 2)) * 2;
-    if (c >= D) continue;  // D is a multiple of 8
-    float2 sum = make_float2(0.f, 0.f);
-    for (int j = 0; j < parts; ++j) {
-      const float2 v = __ldcg(reinterpret_cast<const float2*>(partials + (j * proj_rows(p) + r) * D + c));
-      sum.x += v.x;
-      sum.y += v.y;
-    }
-    const long long at = (long long)r * D + c;
+  sum_parts(partials, proj_rows(p) * D, D, rows, n0, D, parts, tid, [&](long long at, float2 sum) {
     const u32 xr = *reinterpret_cast<const u32*>(p.x + at);
     const u32 out = pack2_elem(lo_to_f32(xr) + sum.x, hi_to_f32(xr) + sum.y);
     if constexpr (CHECK_NUMERICS) bad |= pair_not_finite(out);
     *reinterpret_cast<u32*>(p.y_out + at) = out;
-  }
+  });
 }
 
 // Out tasks from the queue until it is empty (a CTA whose attention items ran out early takes more of them).
@@ -238,22 +276,10 @@ FN_INLINE void project_out_parts(const Params& p, int warp, int lane, int tid, b
 FN_INLINE void proj_leave(const Params& p, int tid) {
   __syncthreads();
   if (tid != 0) return;
-  const int words = proj_q_tiles(p) + p.heads + proj_out_tiles(p) + 1;
+  const int words = 2 * proj_q_tiles(p) + p.heads + proj_out_tiles(p) + 1;
   __threadfence();
   if (atomicAdd(p.proj_flags + words, 1) == (int)gridDim.x - 1) {
     for (int i = 0; i <= words; ++i) p.proj_flags[i] = 0;
   }
 }
 
-// q at `at` (an element pair of the first part) as the sum of the Q tasks' parts, in part order; written in this
-// launch, so read past L1.
-FN_INLINE float2 q_parts_sum(const Params& p, const float2* at) {
-  const long long stride = proj_rows(p) * p.q_ld / 2;  // float2s per part (q_ld is even)
-  float2 sum = __ldcg(at);
-  for (int s = 1; s < proj_q_parts(p); ++s) {
-    const float2 v = __ldcg(at + s * stride);
-    sum.x += v.x;
-    sum.y += v.y;
-  }
-  return sum;
-}

@@ -87,7 +87,7 @@ FN_INLINE void q_kstep(const Params& p, const QSource& src, int kk, u32 (&a)[M_T
         if (src.live[mt][i] && !pad) {
           const float2* at = reinterpret_cast<const float2*>(src.q_rows + (long long)(mt * 16 + g + 8 * i) * p.q_ld +
                                                              src.col0 + kk * 16 + t2 + 8 * h);
-          qr = PROJ_ITEMS ? q_parts_sum(p, at) : *at;
+          qr = PROJ_ITEMS ? __ldcg(at) : *at;  // PROJ_ITEMS: written in this launch, so never from L1
         }
         lo = fmaf(qr.x, src.rs[mt][i], fmaf(src.shift[mt][i], ga[h].x, be[h].x));
         hi = fmaf(qr.y, src.rs[mt][i], fmaf(src.shift[mt][i], ga[h].y, be[h].y));
