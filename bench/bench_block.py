@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import fusednorm  # noqa: E402
-from fusednorm import codegen, plans  # noqa: E402
+from fusednorm import codegen  # noqa: E402
 from fusednorm.codegen import launch, select  # noqa: E402
 from fusednorm.codegen.spec import TILE_ROLES  # noqa: E402
 from fusednorm.plans.weights import GraphWeights  # noqa: E402
@@ -345,8 +345,6 @@ def main(argv=None):
         before = launch.launch_count
         row["fused_us"] = graph_time_us(form.fused, sets)
         row["fused_kernel_ran"] = launch.launch_count > before
-        if form.name == "proj" and plans.takes_one_launch(shape[0], shape[1], sets[0]["wq"], sets[0]["wo"]):
-            row["fused_three_launches_us"] = _three_launches_time(form, sets)  # the same plan without one_launch
         if form.expects_kernel(shape):
             assert row["fused_kernel_ran"], "the fused kernel did not run"
         if args.roles and row["fused_kernel_ran"]:
@@ -379,22 +377,10 @@ def main(argv=None):
     for r in rows:
         s = r["shape"]
         ind = f"{r['inductor_us']:.1f}" if r["inductor_us"] else "-"
-        fused = f"{r['fused_us']:.1f}" + (f" (3 launches: {r['fused_three_launches_us']:.1f})"
-                                          if "fused_three_launches_us" in r else "")
         print(f"| {r['name']} ({s['B']}, {s['Lq']}, {s['D']}, {s['H']}, {s['Lk']}) | {r['eager_us']:.1f} | {ind} | "
-              f"{fused} | {r['floor_us']:.1f} | {r['target_us']} | {r['fused_gbps']:.0f} | "
+              f"{r['fused_us']:.1f} | {r['floor_us']:.1f} | {r['target_us']} | {r['fused_gbps']:.0f} | "
               f"{r['pct_of_floor']:.0f} | {'yes' if r['fused_kernel_ran'] else 'no'} |")
     return 0
-
-
-def _three_launches_time(form, sets):
-    plans.one_launch = False
-    codegen.call_plans.clear()  # a cached launch keeps the form it was cached in
-    try:
-        return graph_time_us(form.fused, sets)
-    finally:
-        plans.one_launch = True
-        codegen.call_plans.clear()
 
 
 def _plot(rows, path, title):

@@ -6,8 +6,7 @@
 #   summary of bench/sass_profile.py; host: host time per op call (bench/host_profile_plan.py, and
 #   bench/host_dispatch.py: the autograd key's share). benchproj, sweep, ab (the sweep against a base tree), ablate,
 #   host, abblock, probe (bench/probe_copies.py: the decode K/V stream alone, per copy form), width (bench/param_width.py:
-#   the norm's parameters as x's type or fp32), onelaunch (bench/probe_one_launch.py: decode blocks in one launch
-#   against three, at Whisper's Lk and at 16 keys), sanitize, ncu and choice
+#   the norm's parameters as x's type or fp32), sanitize, ncu and choice
 #   (bench/kernel_choice.py: what the default kernel="auto" picks against kernel and Inductor) run only when STEPS
 #   names them.
 #   OUT=<dir> [STEPS="gpu bench cpu models"] [SWEEP_SHAPES=t5_dec,...] [SWEEP_CHUNKS=1,2,4,8] [SWEEP_GROUPS=16,4] \
@@ -59,8 +58,6 @@ for step in $STEPS; do
         echo "$tool: exit $?, $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/$tool.log")"
       done ;;
     width) timeout 200 python3 bench/param_width.py ${WIDTH_SHAPES:+--shapes $WIDTH_SHAPES} 2>&1 | tee "$OUT/param_width.log" ;;
-    onelaunch) timeout 150 python3 bench/probe_one_launch.py ${ONE_SHAPES:+--shapes $ONE_SHAPES} 2>&1 | tee "$OUT/probe_one_launch.log"
-      timeout 60 python3 bench/probe_one_launch.py --lk 16 --no-inductor --shapes 64x1,1x1 2>&1 | tee -a "$OUT/probe_one_launch.log" ;;
     probe) timeout 150 python3 bench/probe_copies.py 2>&1 | tee "$OUT/probe_copies.log" | tail -30 ;;
     host) timeout 120 python3 bench/host_profile_plan.py > "$OUT/host_profile.log" 2>&1; head -30 "$OUT/host_profile.log"
       timeout 60 python3 bench/host_dispatch.py --device cuda 2>&1 | tee "$OUT/host_dispatch.log" ;;

@@ -166,10 +166,6 @@ def test_what_runs_on_cuda(monkeypatch):
     assert match_pass._what_runs(args, "layer", "never", "always") == ("generated CUDA kernel", None)
     assert match_pass._what_runs({**args, "wq": object()}, "layer", "always") == (
         "CUDA projection plan: the plan (option plan='always')", None)
-    decode = {**args, "wq": object(), "wo": object(), "x": types.SimpleNamespace(device=args["x"].device,
-                                                                                shape=(8, 1, 256))}
-    assert match_pass._what_runs(decode, "layer", "always") == (
-        "CUDA projection plan (one launch): the plan (option plan='always')", None)
     assert match_pass._what_runs({**args, "wq": object()}, "layer", "never") == (
         "left to the compiler", "left to the compiler (option plan='never', the default without option cudagraphs)")
     from fusednorm.plans import choose

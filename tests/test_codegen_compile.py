@@ -222,38 +222,6 @@ def test_decode_tile_takes_wide_swizzled_steps_at_two_ctas_per_sm():
     assert decode.smem_bytes() < 2 * 2 * 192 * (64 + 8) * 2  # less than its K/V stages alone would take padded
 
 
-def test_one_launch_decode_kernel_keeps_two_ctas_per_sm_and_the_templates_sizes():
-    """The decode block in one launch (proj_items): the projection tasks copy into the stages (no more shared memory
-    than the three-launch stage: 2 CTAs per SM at d = 64), their sizes in Python match the template's, and only the
-    plan's key-split stage takes it."""
-    import re
-
-    from fusednorm.codegen import render
-    from fusednorm.codegen.spec import PROJ_CHUNK_BYTES, PROJ_PART_K, PROJ_ROWS, PROJ_TILE_N, proj_parts
-
-    one = KernelSpec("bf16", 64, "layer", False, False, False, "none", False, tile_for("short", 64, 90), 90, False,
-                     q_from_qraw=True, write_o=True, proj_items=True)
-    three = KernelSpec("bf16", 64, "layer", False, False, False, "none", False, tile_for("short", 64, 90), 90, False,
-                       q_from_qraw=True, write_o=True)
-    assert one.key == three.key.replace("_qf_wo_", "_qf_wo_pi_") and one.smem_bytes() == three.smem_bytes()
-    assert 2 * (one.smem_bytes() + 1024) <= 228 * 1024
-    source = render.render(one)
-    sizes = {name: int(re.search(rf"constexpr int {name} = (\d+);", source).group(1))
-             for name in ("PROJ_M", "PROJ_N", "PROJ_KC", "PROJ_PART_CHUNKS")}
-    assert (sizes["PROJ_M"], sizes["PROJ_N"]) == (PROJ_ROWS, PROJ_TILE_N)
-    assert sizes["PROJ_PART_CHUNKS"] * sizes["PROJ_KC"] == PROJ_PART_K
-    assert "constexpr int PROJ_LD = PROJ_KC + 8;" in source
-    assert PROJ_CHUNK_BYTES == (sizes["PROJ_M"] + sizes["PROJ_N"]) * (sizes["PROJ_KC"] + 8) * 2
-    assert "constexpr bool PROJ_ITEMS = true;" in source
-    assert [proj_parts(k) for k in (64, 128, 129, 1280, 1288)] == [1, 1, 2, 10, 11]
-    for role in ("base", "few_keys"):
-        with pytest.raises(ValueError, match="cannot take the projections as work items"):
-            KernelSpec("bf16", 64, "layer", False, False, False, "none", False, tile_for(role, 64, 90), 90, False,
-                       q_from_qraw=True, write_o=True, proj_items=True)
-    assert {(s.head_dim, s.arch) for s in supported_grid() if s.proj_items} == {
-        (d, arch) for d in HEAD_DIMS for arch in (80, 90)}  # compiled (and checked for spills) in CI
-
-
 def test_row_sums_ride_in_the_p_v_wgmma_where_the_ones_block_fits():
     """d = 64 wgmma tiles fold the row sums into P V (m64n72k16: a V-sized block of ones one block-step past V)
     wherever that block leaves the CTAs per SM the tile is built for; many_keys' 3 CTAs per SM do not fit it and

@@ -37,10 +37,10 @@ class FakeGPU:
         self.families: dict[tuple, dict] = {}
 
     def family(self, dtype, d, norm, has_gamma, has_beta, affine_f32, mask_kind, mask_f32, arch, check,
-               device_index, q_from_qraw=False, write_o=False, proj_items=False):
+               device_index, q_from_qraw=False, write_o=False):
         self.family_calls += 1
         fkey = (dtype, d, norm, has_gamma, has_beta, affine_f32, mask_kind, mask_f32, arch, check, device_index,
-                q_from_qraw, write_o, proj_items)
+                q_from_qraw, write_o)
         if fkey not in self.families:  # kept alive: run_kernel's plan cache is keyed by id(kernel)
             self.families[fkey] = {
                 role: SimpleNamespace(spec=SimpleNamespace(
@@ -48,7 +48,7 @@ class FakeGPU:
                     grouped_stats=KernelSpec(dtype, d, norm, has_gamma, has_beta, affine_f32, mask_kind, mask_f32,
                                              tile_for(role, d), arch, check, q_from_qraw, write_o).grouped_stats),
                     ctas_per_sm=2, device_index=device_index, threads=128, smem_bytes=0)
-                for role in (("short",) if proj_items else TILE_ROLES)}
+                for role in TILE_ROLES}
         return self.families[fkey]
 
     def launch(self, kernel, grid, stream, pointers, tail, maps=b""):
@@ -146,7 +146,7 @@ def test_a_repeated_signature_skips_the_checks_and_launches_with_its_own_pointer
     assert (gpu.checks, gpu.why_calls, gpu.family_calls, len(gpu.launches)) == (1, 1, 1, 2)
     first, second = gpu.launches
     assert second.pointers == (ptrs(t["x"]), y2.data_ptr(), ptrs(t["k"]), ptrs(t["v"]), ptrs(t["gamma"]),
-                               ptrs(t["beta"]), 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
+                               ptrs(t["beta"]), 0, 0, 0, 0, 0, 0, 0, 0)
     assert second.pointers[1] != first.pointers[1]
     assert (second.kernel, second.grid, second.tail, second.stream) == (first.kernel, first.grid, first.tail, 1000)
     assert y2.shape == y1.shape == t["x"].shape and y2.dtype == BF16 and y2.is_contiguous()
@@ -177,7 +177,7 @@ def test_decode_at_batch_one_launches_runs_of_keys_with_zeroed_tickets(gpu, monk
     first, second = _two_calls_with_zeroed_tickets(gpu, monkeypatch, 20, B=1, Lq=1, Lk=1500, H=20)
     assert first.tail[-4:-2] == (4, 2) == second.tail[-4:-2] and first.grid == 80  # runs, key tiles per run
     wide = fused(**inputs(B=64, Lq=1, Lk=1500, H=20))
-    assert gpu.launches[-1].pointers[12:14] == (0, 0) and gpu.launches[-1].tail[-4] == 1 and wide.shape[0] == 64
+    assert gpu.launches[-1].pointers[12:] == (0, 0) and gpu.launches[-1].tail[-4] == 1 and wide.shape[0] == 64
 
 
 def test_shared_statistics_get_zeroed_counters_and_a_sums_workspace_on_every_call(gpu, monkeypatch):
@@ -188,9 +188,9 @@ def test_shared_statistics_get_zeroed_counters_and_a_sums_workspace_on_every_cal
     first, second = _two_calls_with_zeroed_tickets(gpu, monkeypatch, 4, B=2, Lq=64, Lk=100, H=16)
     assert first.tail[-6:-4] == (16, 1) == second.tail[-6:-4] and first.grid == 32
     narrow = fused(**inputs(B=2, Lq=64, Lk=100, H=4))  # D = 256: one pass per row
-    assert gpu.launches[-1].pointers[12:14] == (0, 0) and gpu.launches[-1].tail[-6:-4] == (1, 0)
+    assert gpu.launches[-1].pointers[12:] == (0, 0) and gpu.launches[-1].tail[-6:-4] == (1, 0)
     few_keys = fused(**inputs(B=2, Lq=64, H=16))  # the one-tile kernel: one pass per row
-    assert gpu.launches[-1].pointers[12:14] == (0, 0) and gpu.launches[-1].tail[-6:-4] == (1, 0)
+    assert gpu.launches[-1].pointers[12:] == (0, 0) and gpu.launches[-1].tail[-6:-4] == (1, 0)
     assert narrow.shape == (2, 64, 256) and few_keys.shape == (2, 64, 1024)
 
 
@@ -453,8 +453,7 @@ def test_the_ops_cuda_key_runs_fusednorms_function_with_no_wrapper_between():
     assert "custom_ops.py" not in cuda_line
 
 
-def plan_inputs(B=2, Lq=17, Lk=7, H=4, d=64, D=96, bias=True):
-    """Lq 17 by default: past the rows the one-launch form takes (plans.takes_one_launch), so three launches."""
+def plan_inputs(B=2, Lq=5, Lk=7, H=4, d=64, D=96, bias=True):
     t = inputs(B=B, Lq=Lq, Lk=Lk, H=H, d=d)
     Dq = H * d
     t["x"] = torch.randn(B, Lq, D).to(BF16)
@@ -476,7 +475,7 @@ def test_a_repeated_plan_signature_skips_the_checks_and_the_stage_planning(gpu):
     run_plan_op(t, w)
     assert (gpu.checks, gpu.why_calls, gpu.family_calls, len(gpu.launches)) == (1, 1, 1, 1)
     t2 = dict(t, x=torch.randn_like(t["x"].float()).to(BF16))  # a new x, the same weights
-    o = torch.randn(2, 17, o_cols).to(BF16)
+    o = torch.randn(2, 5, o_cols).to(BF16)
     gpu.fill = o  # what the (fake) stage kernel writes: o, then the ones column the out GEMM multiplies by bo
     o[..., Dq:] = 0
     o[..., Dq] = 1
@@ -539,31 +538,6 @@ def test_a_captured_plan_folds_inside_the_graph_unless_its_weights_are_held(gpu,
         monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
         run_plan_op(t, w)
     assert gpu.launches[-1].pointers[9:11] != kept
-
-
-def test_a_decode_block_is_one_launch_that_computes_both_projections(gpu, monkeypatch):
-    """At most 64 rows and 16 per batch, with Wq and Wo: no GEMM of torch's, one launch of the one-launch kernel
-    family, handed the folded weights, its scratch qraw and the block's own output; a repeated signature hits."""
-    monkeypatch.setattr(plans, "gemm_f32_out", lambda a, b: pytest.fail("the one-launch form ran torch's GEMM"))
-    t, w = plan_inputs(B=4, Lq=16)
-    folded = plans.weights.fold_weights("layer", t["gamma"], t["beta"], w["wq"], w["bq"], w["wo"], w["bo"], BF16)
-    ys = [run_plan_op(t, w) for _ in range(2)]
-    assert gpu.checks == 1 and len(gpu.launches) == 2 and len(codegen.call_plans) == 1
-    for launched, y in zip(gpu.launches, ys):
-        assert launched.kernel.spec.key.startswith("fake_short_") and launched.kernel.spec.key.endswith("True)")
-        qraw, wq, wo, y_out, flags = (launched.pointers[i] for i in (8, 14, 15, 16, 17))
-        assert (wq, wo) == (folded.wq.data_ptr(), folded.wo.data_ptr()) and y_out == y.data_ptr()
-        assert qraw and flags and launched.pointers[11] == 0  # no copy of x: the out tiles read x itself
-    assert ys[0].shape == t["x"].shape and ys[0].data_ptr() != ys[1].data_ptr()
-
-
-@pytest.mark.parametrize("B,Lq,projections,one", [(64, 1, "both", True), (4, 16, "both", True), (65, 1, "both", False),
-                                                  (2, 17, "both", False), (8, 1, "wq", False), (8, 1, "wo", False)])
-def test_which_blocks_take_one_launch(B, Lq, projections, one, monkeypatch):
-    w = object()
-    assert plans.takes_one_launch(B, Lq, w if projections != "wo" else None, w if projections != "wq" else None) == one
-    monkeypatch.setattr(plans, "one_launch", False)
-    assert not plans.takes_one_launch(B, Lq, w, w)
 
 
 @pytest.mark.parametrize("change", ["no bias", "wq strides", "bo dtype", "mask"])
@@ -730,19 +704,17 @@ def test_the_prebuilt_plan_stages_are_the_ones_the_plan_asks_for(gpu):
     listed = {s.key for s in plan_test_specs(90)}
     for norm in ("layer", "rms"):
         for mask in (None, "bool", "add"):
-            for drop, Lq in (((), 17), (("wq", "bq"), 17), (("wo", "bo"), 17), ((), 1)):  # Lq 1: one launch
-                t, w = plan_inputs(D=256, Lq=Lq)  # D = H * d: a block without Wq needs it
+            for drop in ((), ("wq", "bq"), ("wo", "bo")):
+                t, w = plan_inputs(D=256)  # D = H * d: a block without Wq needs it
                 if norm == "rms":
                     t["beta"] = None
                 w = {n: (None if n in drop else v) for n, v in w.items()}
-                m = None if mask is None else (torch.rand(2, 1, Lq, 7) > 0.3 if mask == "bool"
-                                               else torch.randn(2, 1, Lq, 7).to(BF16))
+                m = None if mask is None else (torch.rand(2, 1, 5, 7) > 0.3 if mask == "bool"
+                                               else torch.randn(2, 1, 5, 7).to(BF16))
                 op._pre_norm_cross_attn_cuda(t["x"], t["k"], t["v"], t["gamma"], t["beta"], w["wq"], w["bq"],
                                              w["wo"], w["bo"], m, norm, 1e-5)
     asked = set()
-    for (dtype, d, norm, has_g, has_b, affine_f32, kind, mask_f32, arch, check, _, qraw, write_o,
-         proj) in gpu.families:
+    for (dtype, d, norm, has_g, has_b, affine_f32, kind, mask_f32, arch, check, _, qraw, write_o) in gpu.families:
         asked |= {KernelSpec(dtype, d, norm, has_g, has_b, affine_f32, kind, mask_f32,
-                             tile_for(r, d, arch, stage=qraw), arch, check, qraw, write_o, proj).key
-                  for r in (("short",) if proj else TILE_ROLES)}
-    assert len(gpu.families) == 24 and asked <= listed, sorted(asked - listed)[:3]
+                             tile_for(r, d, arch, stage=qraw), arch, check, qraw, write_o).key for r in TILE_ROLES}
+    assert len(gpu.families) == 18 and asked <= listed, sorted(asked - listed)[:3]

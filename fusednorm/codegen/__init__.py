@@ -21,7 +21,7 @@ from . import launch as _launch
 from . import select as _select
 from . import tensormap as _tensormap
 from .cache import get_kernel
-from .spec import HEAD_DIMS, PROJ_TILE_N, TILE_ROLES, KernelSpec, tile_for
+from .spec import HEAD_DIMS, TILE_ROLES, KernelSpec, tile_for
 
 __all__ = ["why_no_kernel", "run_kernel", "StageIO", "call_key", "call_plans", "launch_call",
            "forget_loaded_kernels"]
@@ -81,11 +81,9 @@ _family_lock = threading.Lock()
 
 def _family(dtype: str, d: int, norm: str, has_gamma: bool, has_beta: bool, affine_f32: bool, mask_kind: str,
             mask_f32: bool, arch: int, check: bool, device_index: int, q_from_qraw: bool = False,
-            write_o: bool = False, proj_items: bool = False):
-    """The loaded kernels of every tile role for these options (with proj_items only "short": it takes at most
-    spec.PROJ_ROWS rows)."""
+            write_o: bool = False):
     fkey = (dtype, d, norm, has_gamma, has_beta, affine_f32, mask_kind, mask_f32, arch, check, device_index,
-            q_from_qraw, write_o, proj_items)
+            q_from_qraw, write_o)
     fam = _families.get(fkey)
     if fam is not None:
         return fam
@@ -94,8 +92,8 @@ def _family(dtype: str, d: int, norm: str, has_gamma: bool, has_beta: bool, affi
         if fam is None:
             specs = {role: KernelSpec(dtype, d, norm, has_gamma, has_beta, affine_f32, mask_kind, mask_f32,
                                       tile_for(role, d, arch, stage=q_from_qraw), arch, check, q_from_qraw,
-                                      write_o, proj_items)
-                     for role in (("short",) if proj_items else TILE_ROLES)}
+                                      write_o)
+                     for role in TILE_ROLES}
             with ThreadPoolExecutor(len(specs)) as pool:
                 compiled = dict(zip(specs, pool.map(get_kernel, specs.values())))
             fam = {role: _launch.load(compiled[role], device_index) for role in specs}
@@ -172,16 +170,6 @@ class StageIO:
     q_b: torch.Tensor | None = None   # [H * d] float32, Wq @ beta + bq
     o_cols: int = 0                   # > 0: return o as [B, Lq, o_cols] (no residual); past H * d, a ones column
     x_copy: torch.Tensor | None = None  # with o_cols: [B * Lq, D], contiguous, receives a copy of x (the out GEMM's C)
-    # the whole block in one launch (spec.proj_items: at most spec.PROJ_ROWS rows): qraw is then the start of the
-    # launch's float32 scratch (one_launch_scratch: qraw, then the GEMMs' parts), written by the launch itself from
-    # x and wq, and y_out receives x + [o, 1] @ wo^T
-    wq: torch.Tensor | None = None    # [H * d, D] contiguous: Wq' (plans/weights.py)
-    wo: torch.Tensor | None = None    # [D, o_cols] contiguous: [Wo, bo, 0..]
-    y_out: torch.Tensor | None = None  # [B, Lq, D] contiguous
-
-    @property
-    def proj_items(self) -> bool:
-        return self.y_out is not None
 
 
 def run_kernel(x, k, v, gamma, beta, mask, norm, eps, scale, sm_count, check_numerics, call_key=None, stage=None):
@@ -217,7 +205,7 @@ def run_kernel(x, k, v, gamma, beta, mask, norm, eps, scale, sm_count, check_num
     stage = stage or StageIO()
     fam = _family(_KERNEL_DTYPES[x.dtype], d, norm, gamma is not None, beta is not None, affine_f32, mask_kind,
                   mask_f32, major * 10 + minor, bool(check_numerics), device_index, stage.qraw is not None,
-                  stage.o_cols > 0, stage.proj_items)
+                  stage.o_cols > 0)
 
     device_sms = _sm_counts.get(device_index)
     if device_sms is None:
@@ -225,11 +213,8 @@ def run_kernel(x, k, v, gamma, beta, mask, norm, eps, scale, sm_count, check_num
     sms = device_sms if sm_count is None else max(1, min(int(sm_count), device_sms))
     # the tile choice follows the device, never sm_count: results stay bit-identical whatever sm_count bounds
     folded_q = stage.qraw is not None  # the stage's few_keys kernel, only where it runs 2 CTAs per SM
-    if stage.proj_items:
-        role = "short"  # its family's one role (plans.one_launch decides which blocks come here)
-    else:
-        role = _select.tile_role(Lq, Lk, B, H, device_sms, stage=folded_q,
-                                 few_keys=not folded_q or fam["few_keys"].ctas_per_sm >= 2)
+    role = _select.tile_role(Lq, Lk, B, H, device_sms, stage=folded_q,
+                             few_keys=not folded_q or fam["few_keys"].ctas_per_sm >= 2)
     kernel = fam[role]
     if kernel.spec.tile.one_tile and Lk > kernel.spec.tile.block_n:  # the kernel would drop keys: never launch it
         raise RuntimeError(f"fusednorm: internal error: {kernel.spec.key} takes at most "
@@ -255,18 +240,12 @@ def run_kernel(x, k, v, gamma, beta, mask, norm, eps, scale, sm_count, check_num
         part_floats = plan.stat_col_groups * B * Lq * 2
     else:
         tickets = part_floats = 0
-    proj_flags_at, grid = -1, plan.grid
-    if stage.proj_items:  # after the chunks' tickets: Q tiles summed, items done per head, out and Q tiles' parts,
-        # out tasks taken, CTAs left; and every CTA slot, since CTAs without attention items take projection tasks
-        proj_flags_at = tickets
-        tickets += 2 * _cdiv(H * d, PROJ_TILE_N) + H + _cdiv(D, PROJ_TILE_N) + 2
-        grid = sms * kernel.ctas_per_sm
-    call = CallPlan(kernel, grid, bool(check_numerics), (
+    call = CallPlan(kernel, plan.grid, bool(check_numerics), (
         ks[0], ks[1], ks[2], vs[0], vs[1], vs[2], m_strides[0], m_strides[1], m_strides[2],
         stage.qraw.stride(0) if stage.qraw is not None else 0, out_cols,
         B, Lq, Lk, H, D, plan.heads_per_item, plan.head_groups, plan.row_blocks, plan.items,
         int(stage.o_cols > H * d), plan.stat_col_groups, int(plan.share_stats), plan.kv_chunks, plan.chunk_tiles,
-        float(eps), _scale_log2(scale, d)), out_cols, tickets, part_floats, proj_flags_at)
+        float(eps), _scale_log2(scale, d)), out_cols, tickets, part_floats)
     y = launch_call(call, x, k, v, gamma, beta, mask, stage)
     # A hit hands the caller's tensors to the kernel unprepared, so only a call that needed no copy or conversion
     # is cached (a mask view keeps its pointer; a copy cannot share it while the caller's mask is alive).
@@ -295,7 +274,6 @@ class CallPlan:
     out_cols: int  # columns of the output rows: D, or the stage's o_cols
     tickets: int = 0  # Params.tickets: keys split between CTAs, or statistics shared between them; else 0
     part_floats: int = 0  # and the floats of Params.part: the chunks' partial states, or the shared sums
-    proj_flags_at: int = -1  # proj_items: Params.proj_flags, as a word offset into Params.tickets; else -1
     # tma tiles: TmaMaps by (x, k, v, y) pointers. The call key fixes every other input of the maps (shapes,
     # strides, the tile), so the pointers alone find them: one small tuple per call instead of shapes and strides
     maps: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
@@ -360,8 +338,7 @@ def launch_call(call: CallPlan, x, k, v, gamma, beta, mask, stage: StageIO | Non
                 gamma.data_ptr() if gamma is not None else 0, beta.data_ptr() if beta is not None else 0,
                 mask.data_ptr() if mask is not None else 0, flag.data_ptr() if flag is not None else 0,
                 *_stage_pointers(stage), part.data_ptr() if part is not None else 0,
-                tickets.data_ptr() if tickets is not None else 0, *_projection_pointers(stage),
-                tickets.data_ptr() + 4 * call.proj_flags_at if call.proj_flags_at >= 0 else 0)
+                tickets.data_ptr() if tickets is not None else 0)
     maps = b""
     if call.kernel.spec.tile.tma:
         maps = call.maps.get((xp, kp, vp, yp))
@@ -429,26 +406,6 @@ def _stage_pointers(stage: StageIO | None) -> tuple:
         return 0, 0, 0, x_copy
     return (stage.qraw.data_ptr(), stage.q_u.data_ptr() if stage.q_u is not None else 0,
             stage.q_b.data_ptr(), x_copy)
-
-
-def one_launch_scratch(rows: int, heads_dim: int, model_dim: int, o_cols: int, device) -> torch.Tensor:
-    """StageIO.qraw for a block in one launch: qraw [rows][H * d], the Q tasks' parts [parts of D][rows][H * d],
-    then the out tasks' [parts of o_cols][rows][D] (templates/pnca/projections.cu), as a [rows, H * d] view of its
-    start."""
-    from .spec import proj_parts
-
-    floats = rows * ((1 + proj_parts(model_dim)) * heads_dim + proj_parts(o_cols) * model_dim)
-    return torch.empty(floats, dtype=torch.float32, device=device).as_strided((rows, heads_dim), (heads_dim, 1))
-
-
-def _projection_pointers(stage: StageIO | None) -> tuple:
-    if stage is None or not stage.proj_items:
-        return 0, 0, 0
-    return stage.wq.data_ptr(), stage.wo.data_ptr(), stage.y_out.data_ptr()
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def _raise_if_flagged(flag: torch.Tensor, key: str) -> None:

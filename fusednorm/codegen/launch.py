@@ -14,11 +14,11 @@ import torch
 from .cache import CompiledKernel
 from .spec import KernelSpec
 
-# The kernel's first argument, ``struct Params`` in templates/pnca/layout.cu: 18 pointers, 11 int64 strides, 14 int32
+# The kernel's first argument, ``struct Params`` in templates/pnca/layout.cu: 14 pointers, 11 int64 strides, 14 int32
 # sizes and settings, 2 floats. The template static_asserts the same size.
-PARAMS = struct.Struct("<18Q11q14i2f")
-POINTERS = 18
-assert PARAMS.size == 296
+PARAMS = struct.Struct("<14Q11q14i2f")
+POINTERS = 14
+assert PARAMS.size == 264
 MAPS_BYTES = 512  # the second argument, ``struct TmaMaps``: four 128-byte tensor maps (x, k, v, y), read by tma tiles
 
 launch_count = 0  # kernels launched by this process; tests read it to prove the generated kernel ran

@@ -12,7 +12,6 @@ TEMPLATES = (
     "prelude.cu",              # 16-bit conversions, tensor-core and async-copy instructions as inline PTX
     "pnca/layout.cu",          # what the kernel does, its arguments, constants and shared-memory carve-up
     "pnca/statistics.cu",      # step 1: the rows' mean and rstd over the full model dim
-    "pnca/projections.cu",     # PROJ_ITEMS: the plan's two GEMMs as work items of the same launch
     "pnca/q_fragments.cu",     # step 2: one head's Q = norm(x slice), as mma A fragments
     "pnca/stage_loads.cu",     # the 16-byte copies that fill a pipeline stage
     "pnca/attend.cu",          # step 3: online-softmax attention over one K/V tile
@@ -56,7 +55,6 @@ def config_constants(spec: KernelSpec) -> dict:
         "Q_FROM_QRAW": spec.q_from_qraw,
         "WRITE_O": spec.write_o,
         "GROUPED_STATS": spec.grouped_stats,
-        "PROJ_ITEMS": spec.proj_items,
         "SMEM_BYTES": spec.smem_bytes(),
         "MIN_CTAS_PER_SM": spec.min_ctas_per_sm,
     }

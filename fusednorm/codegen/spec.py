@@ -131,17 +131,6 @@ def tile_for(role: str, head_dim: int, arch: int = 80, stage: bool = False) -> T
     raise ValueError(f"fusednorm: unknown tile role {role!r}; expected one of {TILE_ROLES}")
 
 
-PROJ_ROWS = 64  # proj_items: the block's rows (B * Lq) one launch takes (templates/pnca/projections.cu: PROJ_M)
-PROJ_TILE_N = 32  # the output columns of one projection task (PROJ_N)
-PROJ_PART_K = 128  # and the K of one task (PROJ_PART_K): a GEMM's K is cut into parts of this many columns
-PROJ_CHUNK_BYTES = (PROJ_ROWS + PROJ_TILE_N) * (64 + 8) * 2  # a task copies 2 chunks: 64 columns of x or o, weights
-
-
-def proj_parts(k: int) -> int:
-    """The parts of a projection's K (templates/pnca/projections.cu: proj_parts)."""
-    return -(-k // PROJ_PART_K)
-
-
 @dataclass(frozen=True)
 class KernelSpec:
     dtype: str              # "bf16" | "fp16": x, k, v, y
@@ -157,7 +146,6 @@ class KernelSpec:
     check_numerics: bool
     q_from_qraw: bool = False  # projection plan: q from float32 x @ Wq'^T and the row stats (norm folded into Wq')
     write_o: bool = False      # projection plan: write o (no residual) for the out GEMM, plus its ones column
-    proj_items: bool = False   # projection plan in one launch: both GEMMs as work items (templates/pnca/projections.cu)
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -180,9 +168,6 @@ class KernelSpec:
             raise ValueError(f"fusednorm: tile {t.token} fills its stages by bulk tensor copies, which only the "
                              f"warpgroup-mma kernels and, on sm_90, head dims of an odd number of 16-byte chunks "
                              f"(d = 40) without a key split do")
-        if self.proj_items and not (self.q_from_qraw and self.write_o and t.key_split > 1 and not t.tma):
-            raise ValueError(f"fusednorm: tile {t.token} cannot take the projections as work items: that needs the "
-                             f"plan's stage (folded Q in, o out) on a key-split tile")
         # canonical forms, so that equal code means an equal key
         if self.q_from_qraw and (self.has_gamma or self.has_beta):  # folded into Wq': the kernel never reads them
             object.__setattr__(self, "has_gamma", False)
@@ -257,8 +242,7 @@ class KernelSpec:
         if self.affine_f32:
             affine += "32"
         mask = {"none": "mnone", "bool": "mbool", "add": "madd32" if self.mask_f32 else "madd"}[self.mask]
-        stage = "".join(token for on, token in ((self.q_from_qraw, "_qf"), (self.write_o, "_wo"),
-                                                 (self.proj_items, "_pi")) if on)
+        stage = ("_qf" if self.q_from_qraw else "") + ("_wo" if self.write_o else "")
         key = (f"pnca_{self.dtype}_d{self.head_dim}_{self.norm}_{affine}_{mask}{stage}_{self.tile.token}"
                f"_sm{self.arch}")
         return key + "_chk" if self.check_numerics else key
@@ -267,8 +251,7 @@ class KernelSpec:
         return replace(self, tile=tile)
 
     def smem_bytes(self) -> int:
-        """Dynamic shared memory per CTA; mirrors the carve-up in templates/pnca/layout.cu (proj_items adds none:
-        the projection tasks copy into the stages, projections.cu)."""
+        """Dynamic shared memory per CTA; mirrors the carve-up in templates/pnca/layout.cu."""
         t = self.tile
         ones = 0 if not t.wgmma else t.kv_rows * 128 if self.rowsum_in_pv else 1024  # the B of the row sums
         return self._smem_bytes(ones)
@@ -316,9 +299,6 @@ def supported_grid(archs=ARCHS):
                                      write_o=True),
                           KernelSpec(dtype, d, "rms", False, False, False, "bool", False, tile_for("short", d, arch),
                                      arch, False, q_from_qraw=True, write_o=True),
-                          # the decode block in one launch (the projections as work items)
-                          KernelSpec(dtype, d, "layer", False, False, False, "add", True, tile_for("short", d, arch),
-                                     arch, True, q_from_qraw=True, write_o=True, proj_items=True),
                           KernelSpec(dtype, d, "layer", True, True, False, "none", False, base, arch, False,
                                      write_o=True)):
                     specs[s.key] = s

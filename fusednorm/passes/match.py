@@ -219,13 +219,7 @@ def _what_runs(args, norm, plan: str = "never", kernel: str = "auto", cudagraphs
         return "left to the compiler", choice.reason
     if projection_free:
         return f"generated CUDA kernel: {choice.reason}", None
-    from ..plans import takes_one_launch
-
-    both = args["wq"] is not None and args["wo"] is not None
-    B, Lq = (x.shape[0], x.shape[1]) if both else (None, None)  # symbolic with dynamic shapes: then not said
-    one = isinstance(B, int) and isinstance(Lq, int) and takes_one_launch(B, Lq, args["wq"], args["wo"])
-    form = " (one launch)" if one else ""
-    return f"CUDA projection plan{form}: {choice.reason}", None
+    return f"CUDA projection plan: {choice.reason}", None
 
 
 def _kv_params(pattern: Pattern) -> set[str]:

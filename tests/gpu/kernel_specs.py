@@ -80,9 +80,4 @@ def plan_test_specs(arch: int) -> list[KernelSpec]:
     for d in (40, 80, 128, 160):
         specs += stage_family_specs(arch, "bf16", d, "layer", "bool", True, True)
     specs += stage_family_specs(arch, "bf16", 40, "layer", "none", True, True)  # the stage's few_keys tile
-    # the decode block in one launch: each dtype, norm and mask at d = 64, the other head dims the tests take
-    one = [(dtype, 64, norm, mask, False) for dtype, norm, mask in itertools.product(DTYPES, ("layer", "rms"), MASKS)]
-    one += [("bf16", d, "layer", "bool", False) for d in (40, 128, 256)] + [("bf16", 64, "layer", "none", True)]
-    specs += [KernelSpec(dtype, d, norm, False, False, False, mask, False, tile_for("short", d, arch), arch, check,
-                         q_from_qraw=True, write_o=True, proj_items=True) for dtype, d, norm, mask, check in one]
     return list({s.key: s for s in specs}.values())

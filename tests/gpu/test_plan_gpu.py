@@ -105,8 +105,8 @@ def test_stage_takes_the_few_keys_tile_where_its_items_fill_the_gpu(d, H, B, Lq,
     t = make(torch.bfloat16, "full", "layer", mask, B=B, Lq=Lq, H=H, d=d, gen=gen)
     check(t, "layer")
     if mask == "none" and B * -(-Lq // 128) * H >= 4 * sms:
-        few_keys = next(fam["few_keys"] for fam in codegen._families.values() if "few_keys" in fam
-                        and (fam["few_keys"].spec.q_from_qraw, fam["few_keys"].spec.head_dim,
+        few_keys = next(fam["few_keys"] for fam in codegen._families.values()
+                        if (fam["few_keys"].spec.q_from_qraw, fam["few_keys"].spec.head_dim,
                             fam["few_keys"].spec.mask, fam["few_keys"].spec.dtype) == (True, d, "none", "bf16"))
         ran_few_keys = "_qf_wo_t128x80w8one" in launch.last_launched
         assert ran_few_keys == (few_keys.ctas_per_sm >= 2), (launch.last_launched, few_keys.ctas_per_sm)
@@ -223,93 +223,6 @@ def test_a_repeated_signature_takes_the_cached_launch_with_new_values(variant):
     assert len(codegen.call_plans) == cached, "a repeated signature was planned again"
 
 
-# ---- the decode block in one launch (plans.takes_one_launch, templates/pnca/projections.cu) ----
-
-# (B, Lq, H, d, Lk): Whisper's decode block; a few query rows; one pair whose keys several CTAs split; 64 rows of 16;
-# the two-warp tile of d = 256 (two m-tiles per warp in the projections)
-ONE_LAUNCH_SHAPES = [(64, 1, 20, 64, 1500), (5, 3, 4, 64, 77), (1, 1, 8, 40, 300), (4, 16, 2, 128, 129),
-                     (2, 1, 2, 256, 100)]
-
-
-def one_launch(t, norm, eps=1e-5, sm_count=None, check_numerics=False):
-    before = launch.launch_count
-    y = OP(*t.values(), norm, eps, None, sm_count, check_numerics)
-    assert launch.launch_count == before + 1 and "_pi_" in launch.last_launched, launch.last_launched
-    return y
-
-
-@pytest.mark.parametrize("dtype", list(DTYPES))
-@pytest.mark.parametrize("variant", ["full", "no_biases", "q_bias_only", "o_bias_only"])
-def test_one_launch_decode_block_every_variant(dtype, variant):
-    """Both projections present and at most 64 rows: one launch, within 2x eager's error, for each norm and mask."""
-    gen = torch.Generator(device=DEV).manual_seed(hash(("one", dtype, variant)) % 2**31)
-    for (B, Lq, H, d, Lk), norm, mask in itertools.product(ONE_LAUNCH_SHAPES[:2], ("layer", "rms"),
-                                                           ("none", "bool", "add")):
-        check(make(DTYPES[dtype], variant, norm, mask, B=B, Lq=Lq, H=H, d=d, Lk=Lk, gen=gen), norm)
-        assert "_pi_" in launch.last_launched, launch.last_launched
-
-
-@pytest.mark.parametrize("B,Lq,H,d,Lk", ONE_LAUNCH_SHAPES[2:])
-@pytest.mark.parametrize("mean", [0.3, 40.0])
-def test_one_launch_head_dims_key_split_and_large_mean(B, Lq, H, d, Lk, mean):
-    gen = torch.Generator(device=DEV).manual_seed(B * 1000 + d)
-    check(make(torch.bfloat16, "full", "layer", "bool", B=B, Lq=Lq, H=H, d=d, Lk=Lk, mean=mean, gen=gen), "layer")
-    assert "_pi_" in launch.last_launched, launch.last_launched
-
-
-def test_one_launch_gives_the_same_bits_whatever_the_grid_call_after_call():
-    """The Q tiles, the items and the out tiles' head order do not depend on the grid (sm_count), and the flags the
-    launch leaves zeroed serve the next one: five calls, three grids, one result."""
-    gen = torch.Generator(device=DEV).manual_seed(64)
-    t = make(torch.bfloat16, "full", "layer", "bool", B=64, Lq=1, H=20, d=64, Lk=1500, gen=gen)
-    first = one_launch(t, "layer")
-    for sm_count in (None, 1, 7, None):
-        assert torch.equal(one_launch(t, "layer", sm_count=sm_count), first), sm_count
-    err, err_eager = update_error(first, t, "layer", 1e-5), update_error(
-        unfused_block(**t, norm="layer", eps=1e-5, scale=None), t, "layer", 1e-5)
-    assert err <= 2 * err_eager + 1e-6
-
-
-def test_one_launch_replayed_from_a_cuda_graph_reads_new_inputs():
-    gen = torch.Generator(device=DEV).manual_seed(65)
-    t = make(torch.bfloat16, "full", "rms", "add", B=16, Lq=1, H=20, d=64, Lk=1500, gen=gen)
-    one_launch(t, "rms")  # warm-up: compiles, plans and folds
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with weights.GraphWeights().capture(), torch.cuda.graph(graph):
-        y = OP(*t.values(), "rms", 1e-5)
-    for _ in range(3):
-        for name in ("x", "k", "v", "mask"):
-            t[name].copy_(torch.randn(t[name].shape, device=DEV, generator=gen))
-        y.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(y, one_launch(t, "rms")), "the replay differs from an eager call on the same inputs"
-
-
-def test_one_launch_numerics_check_names_the_kernel():
-    gen = torch.Generator(device=DEV).manual_seed(66)
-    t = make(torch.bfloat16, "full", "layer", "none", B=8, Lq=1, H=4, d=64, Lk=100, gen=gen)
-    one_launch(t, "layer", check_numerics=True)  # finite: quiet
-    t["v"][3, 1, 7, 5] = float("inf")
-    with pytest.raises(FloatingPointError, match="_pi_"):
-        one_launch(t, "layer", check_numerics=True)
-
-
-def test_one_launch_can_be_turned_off():
-    from fusednorm import plans
-
-    t = make(torch.bfloat16, "full", "layer", "none", B=4, Lq=1, H=4, d=64, Lk=100)
-    plans.one_launch = False
-    codegen.call_plans.clear()
-    try:
-        check(t, "layer")
-        assert "_pi_" not in launch.last_launched
-    finally:
-        plans.one_launch = True
-        codegen.call_plans.clear()
-
-
 def decoder_layer(B, Lq, Lk=77, D=256, H=4):
     """A bf16 nn.TransformerDecoderLayer(norm_first=True) on the GPU and fresh (tgt, memory) for it."""
     layer = nn.TransformerDecoderLayer(D, H, 2 * D, dropout=0.0, batch_first=True, norm_first=True)
@@ -337,18 +250,6 @@ def test_compiled_decoder_layer_takes_the_plan():
     assert len(report.matches) == 1 and report.matches[0].runs.startswith("CUDA projection plan")
     assert launch.launch_count > before
     assert torch.isfinite(got).all()
-    assert ((got.double() - want.double()).norm() / want.double().norm()).item() < 2e-2
-
-
-def test_compiled_decoder_layer_decoding_one_token_runs_one_launch():
-    """The decoder layer at one query row (decode): the report says the plan runs as one launch, and it does."""
-    torch.manual_seed(1)
-    layer, inputs = decoder_layer(8, 1, Lk=300)
-    with torch.no_grad():
-        want = layer(*inputs)
-    got, report = compile_and_run(layer, inputs, "always")
-    assert len(report.matches) == 1 and report.matches[0].runs.startswith("CUDA projection plan (one launch)")
-    assert "_pi_" in launch.last_launched, launch.last_launched
     assert ((got.double() - want.double()).norm() / want.double().norm()).item() < 2e-2
 
 

@@ -17,17 +17,10 @@ FN_INLINE void cursor_enter_item(const Params& p, StepCursor& c, int key_tiles) 
   if (c.item >= p.items) return;
   const int chunks = KV_CHUNKED ? p.kv_chunks : 1;  // an item is (batch, row block, head group, run of keys)
   const int unit = c.item / chunks;
-  if constexpr (PROJ_ITEMS) {  // head-major: the heads finish one after another (projections.cu)
-    const int per_group = p.batch * p.row_blocks;
-    c.row_block = unit % per_group % p.row_blocks;
-    c.b = unit % per_group / p.row_blocks;
-    c.head = unit / per_group * p.heads_per_item;
-  } else {
-    const int group = unit % p.head_groups;
-    c.row_block = (unit / p.head_groups) % p.row_blocks;
-    c.b = unit / (p.head_groups * p.row_blocks);
-    c.head = group * p.heads_per_item;
-  }
+  const int group = unit % p.head_groups;
+  c.row_block = (unit / p.head_groups) % p.row_blocks;
+  c.b = unit / (p.head_groups * p.row_blocks);
+  c.head = group * p.heads_per_item;
   c.head_in_item = 0;
   if constexpr (KV_CHUNKED) {  // the planner makes every run non-empty
     c.chunk = c.item - unit * chunks;
@@ -140,7 +133,6 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS_PER_SM)
   }
   wait_for_prior_grid();  // from here on global memory is this launch's (see prelude.cu)
 
-  if constexpr (PROJ_ITEMS && !PROJ_RING_IN_STAGE) project_q_parts(p, warp, lane, tid);  // in the stages' memory
   const int key_tiles = ONE_TILE ? 1 : (p.kv_len + KV_ROWS - 1) / KV_ROWS;
   bool bad = false;
 
@@ -158,7 +150,6 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS_PER_SM)
     }
     cp_async_commit();
   }
-  if constexpr (PROJ_ITEMS && PROJ_RING_IN_STAGE) project_q_parts(p, warp, lane, tid);  // the first copies in flight
 
   u32 qf[Q_IN_SMEM ? 1 : M_TILES][Q_IN_SMEM ? 1 : QK_KSTEPS][4];
   float o[M_TILES][O_ACC_NTILES][4];
@@ -226,9 +217,6 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS_PER_SM)
     const QSource src = q_source(p, row0, col0, row_mean, row_rstd, x_warp,
                                  p.qraw + ((long long)cur.b * p.q_len + row0) * p.q_ld,
                                  x_slot(cur, stage), lane);
-    if constexpr (PROJ_ITEMS) {
-      if (head_first) wait_for_q_tiles(p, cur.head, tid);
-    }
     if (head_first && attend_rows) q_fragments(p, src, q_tile, qf, lane);
 
     const int warp_key_offset = KEY_SPLIT > 1 ? warp * BLOCK_N : 0;
@@ -254,7 +242,6 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS_PER_SM)
         const long long unit = ((long long)cur.b * p.row_blocks + cur.row_block) * p.heads + cur.head;
         combine_and_store(p, unit, cur.chunk, x_tile, y_batch, row0, col0, o, m, l, k_stages + stage * KV_TILE_ELEMS,
                           v_stages + stage * KV_TILE_ELEMS, warp, lane, tid, bad);
-        if constexpr (PROJ_ITEMS) count_head_done(p, cur.head, tid);
       } else if (warp_rows) {
         store_output_rows(p, maps, cur.b, y_batch, row0, col0, o, l, x_warp, lane, bad);
       }
@@ -264,10 +251,6 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS_PER_SM)
   cp_async_wait<0>();
   if constexpr (USE_TMA) {
     if (lane == 0) bulk_wait_all();  // y written before the CTA's shared memory goes
-  }
-  if constexpr (PROJ_ITEMS) {  // out tasks once the CTA's attention items are done
-    project_out_parts(p, warp, lane, tid, bad);
-    proj_leave(p, tid);
   }
 
   if constexpr (CHECK_NUMERICS) {

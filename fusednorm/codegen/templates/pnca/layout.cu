@@ -57,10 +57,6 @@ struct Params {
                        // with share_stats [stat_col_groups][B * Lq]: the rows' (sum, sum of squares) per column group
   int* tickets;        // zero at the start, left zero at the end: [B * row_blocks * H], chunks of a pair done
                        // (kv_chunks > 1); with share_stats [B * row_blocks][2], items arrived and items left
-  const u16* wq;       // PROJ_ITEMS only (projections.cu): Wq' [H * d, D], the norm folded in
-  const u16* wo;       // [D, y_ld]: [Wo, bo, 0..]
-  u16* y_out;          // [B, Lq, D]: the block's output (y above holds o)
-  int* proj_flags;     // zero at the start, left zero at the end: Q tiles written, items done per head, CTAs left
   long long k_sb, k_sh, k_sl;
   long long v_sb, v_sh, v_sl;
   long long m_sb, m_sh, m_sq;  // the key stride is 1 (run_kernel makes it so)
@@ -74,7 +70,7 @@ struct Params {
   float eps;
   float scale_log2;            // the softmax scale times log2(e): scores are exponentiated as exp2(s * scale_log2 - m)
 };
-static_assert(sizeof(Params) == 296, "Params must match the packing in fusednorm/codegen/launch.py");
+static_assert(sizeof(Params) == 264, "Params must match the packing in fusednorm/codegen/launch.py");
 
 // The kernel's second argument: tensor maps of x [B, Lq, D], k and v [B, H, Lk, d] as strided (USE_TMA only; every
 // kernel takes the argument, so that all launch alike), and of y [B, Lq, y_ld]. Boxes of 64 columns by BLOCK_M

@@ -84,11 +84,9 @@ FN_INLINE void q_kstep(const Params& p, const QSource& src, int kk, u32 (&a)[M_T
       float lo, hi;
       if constexpr (Q_FROM_QRAW) {
         float2 qr = make_float2(0.f, 0.f);
-        if (src.live[mt][i] && !pad) {
-          const float2* at = reinterpret_cast<const float2*>(src.q_rows + (long long)(mt * 16 + g + 8 * i) * p.q_ld +
-                                                             src.col0 + kk * 16 + t2 + 8 * h);
-          qr = PROJ_ITEMS ? __ldcg(at) : *at;  // PROJ_ITEMS: written in this launch, so never from L1
-        }
+        if (src.live[mt][i] && !pad)
+          qr = *reinterpret_cast<const float2*>(src.q_rows + (long long)(mt * 16 + g + 8 * i) * p.q_ld + src.col0 +
+                                                kk * 16 + t2 + 8 * h);
         lo = fmaf(qr.x, src.rs[mt][i], fmaf(src.shift[mt][i], ga[h].x, be[h].x));
         hi = fmaf(qr.y, src.rs[mt][i], fmaf(src.shift[mt][i], ga[h].y, be[h].y));
       } else {
