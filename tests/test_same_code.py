@@ -1,6 +1,7 @@
 """bench/same_code.py tells an edit that only moves source lines from one that changes the machine code (CPU only)."""
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
@@ -53,8 +54,6 @@ def test_sass_mode_sees_through_a_new_constant_but_not_a_changed_instruction():
 def test_mask_params_sees_through_a_field_added_to_params():
     """--mask-params: a field added to struct Params after its pointers moves the offsets of the fields after it
     (so the instructions differ as text) and changes nothing else."""
-    import re
-
     nvdisasm = find_nvdisasm()
     spec = KernelSpec("bf16", 64, "layer", True, True, False, "add", False, tile_for("few_keys", 64), 80, False)
     source = render(spec)
