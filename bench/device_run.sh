@@ -5,7 +5,8 @@
 #   one whose library is missing is skipped); ncu: the seed shape under Nsight Compute, with the per-instruction
 #   summary of bench/sass_profile.py; host: host time per op call (bench/host_profile_plan.py, and
 #   bench/host_dispatch.py: the autograd key's share). benchproj, sweep, ab (the sweep against a base tree), ablate,
-#   host, abblock, probe (bench/probe_copies.py: the decode K/V stream alone, per copy form), width (bench/param_width.py:
+#   host, abblock, probe (bench/probe_copies.py: the decode K/V stream alone, per copy form), attn
+#   (bench/probe_attention.py: FlashAttention-3's main loop alone on the long-key shapes), width (bench/param_width.py:
 #   the norm's parameters as x's type or fp32), sanitize, ncu and choice
 #   (bench/kernel_choice.py: what the default kernel="auto" picks against kernel and Inductor) run only when STEPS
 #   names them.
@@ -59,6 +60,7 @@ for step in $STEPS; do
       done ;;
     width) timeout 200 python3 bench/param_width.py ${WIDTH_SHAPES:+--shapes $WIDTH_SHAPES} 2>&1 | tee "$OUT/param_width.log" ;;
     probe) timeout 150 python3 bench/probe_copies.py 2>&1 | tee "$OUT/probe_copies.log" | tail -30 ;;
+    attn) timeout 330 python3 bench/probe_attention.py 2>&1 | tee "$OUT/probe_attention.log" | tail -50 ;;
     host) timeout 120 python3 bench/host_profile_plan.py > "$OUT/host_profile.log" 2>&1; head -30 "$OUT/host_profile.log"
       timeout 60 python3 bench/host_dispatch.py --device cuda 2>&1 | tee "$OUT/host_dispatch.log" ;;
     bench) timeout 150 python3 bench/bench_block.py --form noproj --out "$OUT" 2>&1 | tee "$OUT/bench_block.log" | tail -12 ;;

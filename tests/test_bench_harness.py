@@ -3,6 +3,7 @@ the forms' eager blocks against the reference, and the timing arithmetic with a 
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import sys
 from pathlib import Path
 
@@ -262,6 +263,22 @@ def test_copy_probe_builds_every_copy_form_without_spills_and_sizes_shared_memor
             per_cta = smem + 1024
             if stages * probe.STAGE_BYTES * ctas < probe.SMEM_PER_SM - ctas * 1024:  # the stages leave room
                 assert ctas * per_cta <= probe.SMEM_PER_SM < (ctas + 1) * per_cta
+
+
+def test_attention_probe_variants_compile_without_spills_or_serialized_wgmma():
+    """bench/probe_attention.cu: every variant, as plain attention and as the fused block, compiles for sm_90 with no
+    spills, its warpgroup mma left asynchronous (ptxas says when it serializes them or injects waits), and its shared
+    memory as the launch asks."""
+    pytest.importorskip("cuda.bindings.nvrtc")
+    probe = _load("probe_attention", "probe_attention.py")
+    for (name, (_, _, stages, block_n, consumers)), fused in itertools.product(probe.VARIANTS.items(), (False, True)):
+        _, usage, log_text = probe.compile_variant(name, fused)
+        assert usage.spill_stores == usage.spill_loads == 0, (name, usage)
+        assert usage.registers <= 65536 // (128 * (consumers + 1)), (name, usage)  # launch bounds: 1 CTA per SM
+        assert "C7514" not in log_text and "C7517" not in log_text, (name, log_text)
+        assert probe.smem_bytes(stages, block_n, consumers) <= 227 * 1024
+    for consumers, (producer_regs, consumer_regs) in probe.REGS.items():
+        assert 128 * producer_regs + 128 * consumers * consumer_regs <= 64 * 1024
 
 
 def test_kernel_choice_shapes_straddle_the_ridge_and_their_comments_say_their_intensity():
