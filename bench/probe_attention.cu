@@ -13,7 +13,8 @@
 // FUSED 1: fusednorm's whole block instead: y = x + attention(norm(x) split into heads, k, v) with LayerNorm (gamma,
 // beta): the Q slot receives the head's slice of x, the consumers sum their rows' statistics at each item's start
 // (straight from global memory, one pass of sum and sum of squares: a probe's shortcut), normalise the slice in
-// registers into Q's fragments, and add the slice to O / l in the epilogue before releasing the slot.
+// registers into Q's fragments, and add the slice to O / l in the epilogue before releasing the slot. With
+// STATS_AHEAD the producer warpgroup's three idle warps sum them instead, an item ahead, into a ring of two slots.
 // Compiled after templates/prelude.cu and the wgmma helpers probe_attention.py writes, with first:
 //   OVERLAP   0: each key tile in turn, S = Q K^T, softmax, O += P V, each wgmma waited for (fusednorm's order);
 //             1: tile t's S = Q K^T is issued together with tile t-1's O += P V, and the softmax of tile t runs
@@ -29,9 +30,10 @@ constexpr int Q_BYTES = BLOCK_M * 128;
 constexpr int Q_SLOTS = 2;
 constexpr int OFF_Q = 0, OFF_K = Q_SLOTS * Q_BYTES, OFF_V = OFF_K + STAGES * TILE_BYTES;
 constexpr int OFF_ONES = OFF_V + STAGES * TILE_BYTES;  // the ones: the row sums' 8 extra columns of O (wgmma_output)
-constexpr int OFF_STATS = OFF_ONES + TILE_BYTES;      // FUSED: per consumer warp, its 16 rows' mean and 1 / std
-constexpr int OFF_BARS = OFF_STATS + 4 * CONSUMERS * 32 * 4;
-constexpr int SMEM_BYTES = OFF_BARS + 8 * (2 * STAGES + 2 * Q_SLOTS);  // probe_attention.py smem_bytes(): the same
+// FUSED: rows' mean and 1 / std, per consumer warp (16 rows each) or, with STATS_AHEAD, per item in two slots
+constexpr int OFF_STATS = OFF_ONES + TILE_BYTES, STATS_SLOTS = 2, STATS_WARPS = 3;
+constexpr int OFF_BARS = OFF_STATS + STATS_SLOTS * BLOCK_M * 2 * 4;
+constexpr int SMEM_BYTES = OFF_BARS + 8 * (2 * STAGES + 2 * Q_SLOTS + 2 * STATS_SLOTS);  // = probe_attention.py's
 static_assert(SMEM_BYTES <= 227 * 1024, "one CTA per SM");
 constexpr int CONSUMER_WARPS = 4 * CONSUMERS;
 constexpr int S_NT = BLOCK_N / 8, PV_KSTEPS = BLOCK_N / 16, O_NT = D / 8 + 1;
@@ -73,13 +75,15 @@ struct Ring {
   }
 };
 
-// Barriers: full / empty per K/V stage, then q_full / q_empty per Q slot (8 bytes each).
+// Barriers: full / empty per K/V stage, per Q slot and per statistics slot (8 bytes each).
 struct Bars {
   u32 base;
   FN_INLINE u32 full(int s) const { return base + 8 * s; }
   FN_INLINE u32 empty(int s) const { return base + 8 * (STAGES + s); }
   FN_INLINE u32 q_full(int s) const { return base + 8 * (2 * STAGES + s); }
   FN_INLINE u32 q_empty(int s) const { return base + 8 * (2 * STAGES + Q_SLOTS + s); }
+  FN_INLINE u32 s_full(int s) const { return base + 8 * (2 * STAGES + 2 * Q_SLOTS + s); }
+  FN_INLINE u32 s_empty(int s) const { return base + 8 * (2 * STAGES + 2 * Q_SLOTS + STATS_SLOTS + s); }
 };
 
 FN_INLINE void produce(const Args& a, const Maps& maps, Bars bars) {
@@ -134,6 +138,49 @@ FN_INLINE void row_statistics(const Args& a, int b, int row0, float* stats, int 
     stats[2 * r + 1] = rsqrtf(var + a.eps);
   }
   __syncwarp();
+}
+
+// STATS_AHEAD: the producer warpgroup's warp sw (of STATS_WARPS) sums rows sw, sw + 3, ... of each of the CTA's
+// items into the next statistics slot while the consumers attend to the item before; two of a row's 16-byte loads
+// per lane in flight (the warpgroup has given its registers away: more spill).
+FN_INLINE void statistics_ahead(const Args& a, Bars bars, int sw, int lane) {
+  const int model_dim = a.heads * D, chunks = model_dim / 8;
+  Ring<STATS_SLOTS> ss;
+  for (int item = blockIdx.x; item < a.items; item += gridDim.x, ss.next()) {
+    const Item it = item_at(a, item);
+    float* out = reinterpret_cast<float*>(smem + OFF_STATS) + ss.stage * BLOCK_M * 2;
+    mbar_wait(bars.s_empty(ss.stage), ss.phase ^ 1u);  // the consumers have read the slot's last item
+    for (int r = sw; r < BLOCK_M; r += STATS_WARPS) {
+      const int row = it.rb * BLOCK_M + r;
+      float sum = 0.f, sq = 0.f;
+      if (row < a.q_len) {
+        const u16* src = a.x + ((long long)it.b * a.q_len + row) * model_dim;
+#pragma unroll 2
+        for (int ch = lane; ch < chunks; ch += 32) {
+          const u32x4 v = ld_global16(src + ch * 8);
+          const u32 w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            const float lo = lo_to_f32(w[i]), hi = hi_to_f32(w[i]);
+            sum += lo + hi;
+            sq = fmaf(lo, lo, fmaf(hi, hi, sq));
+          }
+        }
+      }
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1) {
+        sum += __shfl_xor_sync(FULL_WARP, sum, off);
+        sq += __shfl_xor_sync(FULL_WARP, sq, off);
+      }
+      const float mean = sum / model_dim, var = fmaxf(sq / model_dim - mean * mean, 0.f);
+      if (lane == 0) {
+        out[2 * r] = mean;
+        out[2 * r + 1] = rsqrtf(var + a.eps);
+      }
+    }
+    __syncwarp();
+    if (lane == 0) mbar_arrive(bars.s_full(ss.stage));  // releases the slot's writes to the consumers' wait
+  }
 }
 
 // Scores of one key tile, in place: max, rescale factor, exponentials (fp32, not yet packed). Keys past Lk (zeros
@@ -211,6 +258,7 @@ FN_INLINE void consume(const Args& a, Bars bars, int cw, int warp_in_wg, int lan
   float* stats = reinterpret_cast<float*>(smem + OFF_STATS) + (cw * 4 + warp_in_wg) * 32;
   Ring<STAGES> ring;
   Ring<Q_SLOTS> qs;
+  Ring<STATS_SLOTS> ss;
   // PINGPONG: consumer cw issues after barrier 1 + cw, then lets the next one issue; the last starts the round
   const int my_turn = 1 + cw, next_turn = 1 + (cw + 1) % CONSUMERS;
   if (PINGPONG && cw == CONSUMERS - 1) named_bar_arrive(1);
@@ -218,7 +266,19 @@ FN_INLINE void consume(const Args& a, Bars bars, int cw, int warp_in_wg, int lan
     const Item it = item_at(a, item);
     const int row = it.rb * BLOCK_M + cw * 64 + warp_in_wg * 16 + g;  // this thread's rows: row and row + 8
     float mean[2] = {0.f, 0.f}, rstd[2] = {1.f, 1.f};
-    if (FUSED) {
+    if (FUSED && STATS_AHEAD) {  // this thread's rows in the item's slot, then the slot back to the summing warps
+      const float* slot_stats = reinterpret_cast<const float*>(smem + OFF_STATS) + ss.stage * BLOCK_M * 2;
+      mbar_wait(bars.s_full(ss.stage), ss.phase);
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        const int r = row - it.rb * BLOCK_M + 8 * i;
+        mean[i] = slot_stats[2 * r];
+        rstd[i] = slot_stats[2 * r + 1];
+      }
+      __syncwarp();
+      if (lane == 0) mbar_arrive(bars.s_empty(ss.stage));
+      ss.next();
+    } else if (FUSED) {
       row_statistics(a, it.b, row - g, stats, lane);
 #pragma unroll
       for (int i = 0; i < 2; ++i) {
@@ -353,12 +413,17 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
       mbar_init(bars.q_full(s), 1);
       mbar_init(bars.q_empty(s), CONSUMER_WARPS);
     }
+    for (int s = 0; s < STATS_SLOTS; ++s) {
+      mbar_init(bars.s_full(s), STATS_WARPS);
+      mbar_init(bars.s_empty(s), CONSUMER_WARPS);
+    }
     fence_mbar_init();
   }
   __syncthreads();
   if (wg == 0) {
     setmaxnreg_dec<PRODUCER_REGS>();
     if (warp == 0 && lane == 0) produce(a, maps, bars);
+    if (FUSED && STATS_AHEAD && warp > 0) statistics_ahead(a, bars, warp - 1, lane);
     return;
   }
   setmaxnreg_inc<CONSUMER_REGS>();

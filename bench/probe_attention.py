@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import itertools
 import math
 import sys
 from pathlib import Path
@@ -50,19 +51,24 @@ VARIANTS = {
     "wg3_overlap": (1, 0, 3, 96, 3),
     "wg3_overlap_pingpong": (1, 1, 3, 96, 3),
 }
-# setmaxnreg per consumer count: 128 * P + 128 * CONSUMERS * C <= 65536 (FlashAttention-3's splits)
-REGS = {2: (40, 232), 3: (24, 160)}
+MODE_LABELS = {0: "", 1: " (block, statistics inline)", 2: " (block, statistics ahead)"}
+# setmaxnreg (producer, consumer) per (consumers, statistics summed ahead): 128 * P + 128 * CONSUMERS * C <= 65536.
+# Three consumers need 160 with the norm inline; the producer's warps summing the statistics need 40 (else spills).
+REGS = {(2, False): (40, 232), (2, True): (40, 232), (3, False): (32, 160), (3, True): (40, 152)}
 
 
-def source(overlap: int, pingpong: int, stages: int, block_n: int, consumers: int, fused: bool = False) -> str:
+def source(overlap: int, pingpong: int, stages: int, block_n: int, consumers: int, fused: int = 0) -> str:
+    """fused: 0 plain attention, 1 the whole block with each consumer warp summing its rows' statistics at an item's
+    start, 2 the whole block with the producer warpgroup's idle warps summing them an item ahead (see the .cu)."""
     prelude = (ROOT / "fusednorm/codegen/templates/prelude.cu").read_text()
     probe = (ROOT / "bench/probe_attention.cu").read_text()
     spec = SimpleNamespace(dtype="bf16", head_dim=D, rowsum_in_pv=True, tile=SimpleNamespace(block_n=block_n,
                                                                                              wgmma=True))
-    head = (f"constexpr bool ELEM_IS_BF16 = true, FUSED = {str(fused).lower()};\n"
+    head = (f"constexpr bool ELEM_IS_BF16 = true, FUSED = {str(fused > 0).lower()}, "
+            f"STATS_AHEAD = {str(fused == 2).lower()};\n"
             f"constexpr int OVERLAP = {overlap}, PINGPONG = {pingpong}, "
             f"STAGES = {stages}, BLOCK_N = {block_n}, CONSUMERS = {consumers};\nconstexpr int PRODUCER_REGS = "
-            f"{REGS[consumers][0]}, CONSUMER_REGS = {REGS[consumers][1]};\n")
+            f"{REGS[consumers, fused == 2][0]}, CONSUMER_REGS = {REGS[consumers, fused == 2][1]};\n")
     return head + prelude + "\n" + wgmma_helpers(spec) + "\n" + probe
 
 
@@ -71,12 +77,11 @@ Q_SLOTS = 2
 
 def smem_bytes(stages: int, block_n: int, consumers: int) -> int:
     """probe_attention.cu's SMEM_BYTES: Q slots, K/V stages, the block of ones, the row statistics, the barriers."""
-    tile = block_n * 128
-    return Q_SLOTS * 64 * consumers * 128 + 2 * stages * tile + tile + 4 * consumers * 32 * 4 + 8 * (
-        2 * stages + 2 * Q_SLOTS)
+    tile, block_m = block_n * 128, 64 * consumers
+    return Q_SLOTS * block_m * 128 + 2 * stages * tile + tile + 2 * block_m * 2 * 4 + 8 * (2 * stages + 2 * Q_SLOTS + 4)
 
 
-def compile_variant(name: str, fused: bool = False):
+def compile_variant(name: str, fused: int = 0):
     cubin, usage, log_text = compile_to_cubin(source(*VARIANTS[name], fused=fused), "probe_attention", 90)
     return cubin, usage, log_text
 
@@ -90,7 +95,7 @@ def heads_per_item(batch: int, row_blocks: int, heads: int, sms: int) -> int:
 
 
 class Probe:
-    def __init__(self, name: str, fused: bool = False):
+    def __init__(self, name: str, fused: int = 0):
         import torch
         from cuda.bindings import driver as cu
 
@@ -209,14 +214,16 @@ def main():
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--compile-only", action="store_true")
     ap.add_argument("--once", action="store_true", help="one launch per variant and shape, nothing timed (for ncu)")
-    ap.add_argument("--fused", action="store_true", help="the probes as the whole block: y = x + attention(norm(x))")
+    ap.add_argument("--fused", action="store_true", help="the probes as the whole block: y = x + attention(norm(x)), "
+                    "with the row statistics summed inline and ahead")
     args = ap.parse_args()
     names = args.variants.split(",")
+    modes = (1, 2) if args.fused else (0,)
     if args.compile_only:
-        for name in names:
-            _, usage, log_text = compile_variant(name, args.fused)
+        for name, mode in itertools.product(names, modes):
+            _, usage, log_text = compile_variant(name, mode)
             warn = [line for line in log_text.splitlines() if "arning" in line or "C75" in line]
-            print(f"{name:24s} {usage.registers} registers, {usage.spill_stores} spill bytes"
+            print(f"{name + MODE_LABELS[mode]:60s} {usage.registers} registers, {usage.spill_stores} spill bytes"
                   + (f"; {warn}" if warn else ""))
         return
 
@@ -238,9 +245,9 @@ def main():
         torch.cuda.synchronize()
         return
     probes = {}
-    for name in names:
-        probes[name] = Probe(name, args.fused)
-        print(f"{name}: {probes[name].usage.registers} registers, {check(probes[name], gen)}", flush=True)
+    for name, mode in itertools.product(names, modes):
+        probe = probes[name + MODE_LABELS[mode]] = Probe(name, mode)
+        print(f"{name + MODE_LABELS[mode]}: {probe.usage.registers} registers, {check(probe, gen)}", flush=True)
     print("\n| shape (B, H, Lq, Lk) | implementation | µs | TFLOP/s |\n|---|---|---|---|")
     for shape_name in args.shapes.split(","):
         shape = SHAPES[shape_name]
@@ -261,10 +268,9 @@ def main():
         # fusednorm's whole block (norm + attention + residual), K/V as [B, H, Lk, d]
         rows.append(("fusednorm block", graph_time_us(lambda: fusednorm.fused_pre_norm_cross_attn(x, k, v, gamma,
                                                                                                   beta), [{}])))
-        for name, probe in probes.items():
+        for label, probe in probes.items():
             grid = probe.bind(None, k, v, out, x, gamma, beta) if args.fused else probe.bind(q, k, v, out)
-            label = f"probe {name}" + (" (block)" if args.fused else "")
-            rows.append((label, graph_time_us(lambda: probe.launch(grid), [{}])))
+            rows.append((f"probe {label}", graph_time_us(lambda: probe.launch(grid), [{}])))
         for label, us in rows:
             print(f"| {shape_name} {shape} | {label} | {us:.1f} | {flops(shape) / us / 1e6:.0f} |", flush=True)
 
