@@ -111,6 +111,25 @@ FN_INLINE void produce(const Args& a, const Maps& maps, Bars bars) {
   }
 }
 
+// FUSED: one 16-byte chunk of a row of x (8 elements) added to the row's sum and sum of squares.
+FN_INLINE void add_chunk(const u16* chunk, float& sum, float& sq) {
+  const u32x4 v = ld_global16(chunk);
+  const u32 w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float lo = lo_to_f32(w[i]), hi = hi_to_f32(w[i]);
+    sum += lo + hi;
+    sq = fmaf(lo, lo, fmaf(hi, hi, sq));
+  }
+}
+
+// A row's mean and 1 / std from its sums, into its two statistics slots.
+FN_INLINE void store_statistics(float* slot, float sum, float sq, int model_dim, float eps) {
+  const float mean = sum / model_dim, var = fmaxf(sq / model_dim - mean * mean, 0.f);
+  slot[0] = mean;
+  slot[1] = rsqrtf(var + eps);
+}
+
 // FUSED: mean and 1 / std of this warp's 16 rows (rows past Lq: 0 and 1 / sqrt(eps)), into its stats slots. Lane l
 // sums half l / 16 of row l % 16, eight 16-byte loads in flight at a time; one shuffle adds the halves.
 FN_INLINE void row_statistics(const Args& a, int b, int row0, float* stats, int lane) {
@@ -119,30 +138,17 @@ FN_INLINE void row_statistics(const Args& a, int b, int row0, float* stats, int 
   if (row0 + r < a.q_len) {
     const u16* row = a.x + ((long long)b * a.q_len + row0 + r) * model_dim + (lane >> 4) * (model_dim / 2);
 #pragma unroll 8
-    for (int ch = 0; ch < half_chunks; ++ch) {
-      const u32x4 v = ld_global16(row + ch * 8);
-      const u32 w[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const float lo = lo_to_f32(w[i]), hi = hi_to_f32(w[i]);
-        sum += lo + hi;
-        sq = fmaf(lo, lo, fmaf(hi, hi, sq));
-      }
-    }
+    for (int ch = 0; ch < half_chunks; ++ch) add_chunk(row + ch * 8, sum, sq);
   }
   sum += __shfl_xor_sync(FULL_WARP, sum, 16);
   sq += __shfl_xor_sync(FULL_WARP, sq, 16);
-  const float mean = sum / model_dim, var = fmaxf(sq / model_dim - mean * mean, 0.f);
-  if (lane < 16) {
-    stats[2 * r] = mean;
-    stats[2 * r + 1] = rsqrtf(var + a.eps);
-  }
+  if (lane < 16) store_statistics(stats + 2 * r, sum, sq, model_dim, a.eps);
   __syncwarp();
 }
 
 // STATS_AHEAD: the producer warpgroup's warp sw (of STATS_WARPS) sums rows sw, sw + 3, ... of each of the CTA's
 // items into the next statistics slot while the consumers attend to the item before; two of a row's 16-byte loads
-// per lane in flight (the warpgroup has given its registers away: more spill).
+// per lane in flight (more spill in the 40 registers the warpgroup keeps).
 FN_INLINE void statistics_ahead(const Args& a, Bars bars, int sw, int lane) {
   const int model_dim = a.heads * D, chunks = model_dim / 8;
   Ring<STATS_SLOTS> ss;
@@ -156,27 +162,14 @@ FN_INLINE void statistics_ahead(const Args& a, Bars bars, int sw, int lane) {
       if (row < a.q_len) {
         const u16* src = a.x + ((long long)it.b * a.q_len + row) * model_dim;
 #pragma unroll 2
-        for (int ch = lane; ch < chunks; ch += 32) {
-          const u32x4 v = ld_global16(src + ch * 8);
-          const u32 w[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-          for (int i = 0; i < 4; ++i) {
-            const float lo = lo_to_f32(w[i]), hi = hi_to_f32(w[i]);
-            sum += lo + hi;
-            sq = fmaf(lo, lo, fmaf(hi, hi, sq));
-          }
-        }
+        for (int ch = lane; ch < chunks; ch += 32) add_chunk(src + ch * 8, sum, sq);
       }
 #pragma unroll
       for (int off = 16; off > 0; off >>= 1) {
         sum += __shfl_xor_sync(FULL_WARP, sum, off);
         sq += __shfl_xor_sync(FULL_WARP, sq, off);
       }
-      const float mean = sum / model_dim, var = fmaxf(sq / model_dim - mean * mean, 0.f);
-      if (lane == 0) {
-        out[2 * r] = mean;
-        out[2 * r + 1] = rsqrtf(var + a.eps);
-      }
+      if (lane == 0) store_statistics(out + 2 * r, sum, sq, model_dim, a.eps);
     }
     __syncwarp();
     if (lane == 0) mbar_arrive(bars.s_full(ss.stage));  // releases the slot's writes to the consumers' wait
