@@ -20,6 +20,7 @@ import argparse
 import ctypes
 import itertools
 import math
+import struct
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -52,6 +53,7 @@ VARIANTS = {
     "wg3_overlap_pingpong": (1, 1, 3, 96, 3),
 }
 MODE_LABELS = {0: "", 1: " (block, statistics inline)", 2: " (block, statistics ahead)"}
+Q_SLOTS = 2  # probe_attention.cu's ring of Q (FUSED: x slice) slots
 # setmaxnreg (producer, consumer) per (consumers, statistics summed ahead): 128 * P + 128 * CONSUMERS * C <= 65536.
 # Three consumers need 160 with the norm inline; the producer's warps summing the statistics need 40 (else spills).
 REGS = {(2, False): (40, 232), (2, True): (40, 232), (3, False): (32, 160), (3, True): (40, 152)}
@@ -70,9 +72,6 @@ def source(overlap: int, pingpong: int, stages: int, block_n: int, consumers: in
             f"STAGES = {stages}, BLOCK_N = {block_n}, CONSUMERS = {consumers};\nconstexpr int PRODUCER_REGS = "
             f"{REGS[consumers, fused == 2][0]}, CONSUMER_REGS = {REGS[consumers, fused == 2][1]};\n")
     return head + prelude + "\n" + wgmma_helpers(spec) + "\n" + probe
-
-
-Q_SLOTS = 2
 
 
 def smem_bytes(stages: int, block_n: int, consumers: int) -> int:
@@ -121,8 +120,6 @@ class Probe:
     def bind(self, q, k, v, o, x=None, gamma=None, beta=None, eps=1e-5):
         """Encode the maps and arguments of one input set (kept: graph replays reuse them). Plain attention: q, k, v
         and o of [B, H, L, 64]. FUSED: x and o (that is, y) of [B, Lq, H * 64] and q None."""
-        import struct
-
         import torch
 
         from fusednorm.codegen.tensormap import tile_map
