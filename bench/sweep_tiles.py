@@ -118,8 +118,8 @@ def main():
                 continue
             spec_mod.KernelSpec.min_ctas_per_sm = property(lambda s, _t=tile, _m=min_ctas: _m if s.tile == _t
                                                            else original_min_ctas.fget(s))
-            codegen.tile_for = (lambda r, hd, arch=80, stage=False, _t=tile:
-                                _t if r == role else original(r, hd, arch, stage))
+            codegen.tile_for = (lambda r, hd, arch=80, stage=False, warp_specialised=False, _t=tile:
+                                _t if r == role else original(r, hd, arch, stage, warp_specialised))
             codegen.forget_loaded_kernels()  # cached launches hold the previous kernel
             try:
                 diff = rel_diff(form.fused(**t), ref)

@@ -182,6 +182,35 @@ def test_many_keys_tile_is_the_long_tile_except_on_sm90_with_small_heads():
     assert 3 * (plain.smem_bytes() + 1024) <= 228 * 1024  # three CTAs' shared memory (+1 KB each) fit on an SM
 
 
+def test_warp_specialised_tile_is_sm90_many_keys_for_plain_blocks():
+    """many_keys on sm_90 with d = 64 is kernel_ws.cu's tile wherever the spec can take it (no mask, no projection
+    stage): a producer warpgroup and two consumer warpgroups (384 threads), three stages of 128 keys, 1 CTA per SM,
+    every row's statistics summed whole (its consumers may hold no CTA barrier); it takes every Lk from MANY_KEYS
+    on. It compiles without spills and with every wgmma left asynchronous (ptxas warns when it serializes them)."""
+    from dataclasses import replace
+
+    ws = tile_for("many_keys", 64, 90, warp_specialised=True)
+    assert ws.producer and ws.token == "t128x128w8s3wgtmaws" and ws.threads == 384
+    assert tile_for("many_keys", 64, 90) == tile_for("many_keys", 64, 90, stage=True, warp_specialised=True)
+    assert not any(tile_for(r, d, a, warp_specialised=True).producer for r in TILE_ROLES for d in HEAD_DIMS
+                   for a in (80, 90) if (r, d, a) != ("many_keys", 64, 90))
+    spec = KernelSpec("fp16", 64, "layer", True, True, True, "none", False, ws, 90, True)
+    assert spec.min_ctas_per_sm == 1 and not spec.grouped_stats and spec.rowsum_in_pv
+    assert spec.smem_bytes() + 1024 <= 228 * 1024
+    src = render(spec)
+    assert "setmaxnreg.dec" in src and "attend_tile" not in src
+    _, usage, log_text = compile_to_cubin(src, spec.key, 90)
+    assert (usage.spill_stores, usage.spill_loads) == (0, 0)
+    assert not any(code in log_text for code in ("C7514", "C7517")), log_text
+    for other in (dict(mask="bool"), dict(head_dim=128), dict(write_o=True), dict(q_from_qraw=True)):
+        with pytest.raises(ValueError, match="warp-specialised"):
+            replace(spec, **other)
+    assert select.tile_role(2048, 2048, 32, 16, many_keys_ws=True) == "many_keys"  # whole 128-key stages too
+    assert select.tile_role(448, 1500, 16, 20, many_keys_ws=True) == "many_keys"
+    assert select.tile_role(448, 1023, 16, 20, many_keys_ws=True) == "long"
+    assert select.tile_role(448, 1500, 16, 20, stage=True, many_keys_ws=True) == "long"
+
+
 def test_sm90_long_tile_for_small_heads_takes_128_rows_but_the_plan_stage_keeps_64():
     """The projection-free long role on sm_90 with d = 64 runs two warpgroups over 128 rows (each K/V stage shared),
     2 CTAs per SM at 128 registers; the plan's stage mode, whose folded Q needs registers, keeps the 64-row tile."""

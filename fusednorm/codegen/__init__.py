@@ -90,9 +90,10 @@ def _family(dtype: str, d: int, norm: str, has_gamma: bool, has_beta: bool, affi
     with _family_lock:
         fam = _families.get(fkey)
         if fam is None:
+            plain_block = mask_kind == "none" and not (q_from_qraw or write_o)  # what kernel_ws.cu takes
             specs = {role: KernelSpec(dtype, d, norm, has_gamma, has_beta, affine_f32, mask_kind, mask_f32,
-                                      tile_for(role, d, arch, stage=q_from_qraw), arch, check, q_from_qraw,
-                                      write_o)
+                                      tile_for(role, d, arch, stage=q_from_qraw, warp_specialised=plain_block),
+                                      arch, check, q_from_qraw, write_o)
                      for role in TILE_ROLES}
             with ThreadPoolExecutor(len(specs)) as pool:
                 compiled = dict(zip(specs, pool.map(get_kernel, specs.values())))
@@ -214,7 +215,8 @@ def run_kernel(x, k, v, gamma, beta, mask, norm, eps, scale, sm_count, check_num
     # the tile choice follows the device, never sm_count: results stay bit-identical whatever sm_count bounds
     folded_q = stage.qraw is not None  # the stage's few_keys kernel, only where it runs 2 CTAs per SM
     role = _select.tile_role(Lq, Lk, B, H, device_sms, stage=folded_q,
-                             few_keys=not folded_q or fam["few_keys"].ctas_per_sm >= 2)
+                             few_keys=not folded_q or fam["few_keys"].ctas_per_sm >= 2,
+                             many_keys_ws=fam["many_keys"].spec.tile.producer)
     kernel = fam[role]
     if kernel.spec.tile.one_tile and Lk > kernel.spec.tile.block_n:  # the kernel would drop keys: never launch it
         raise RuntimeError(f"fusednorm: internal error: {kernel.spec.key} takes at most "

@@ -18,6 +18,9 @@ TEMPLATES = (
     "pnca/epilogue.cu",        # step 4: y = x + o (the key split and the chunk merge included)
     "pnca/kernel.cu",          # the step sequence, the pipeline along it, and the kernel
 )
+# TileConfig.producer: the same steps in warp-specialised form (a producer warpgroup fills the stages), with its own
+# main loop in place of attend.cu's
+WS_TEMPLATES = tuple(t for t in TEMPLATES if t not in ("pnca/attend.cu", "pnca/kernel.cu")) + ("pnca/kernel_ws.cu",)
 
 
 @lru_cache(maxsize=None)
@@ -101,7 +104,7 @@ def render(spec: KernelSpec) -> str:
         lines.append(f"constexpr {ctype} {name} = {_cpp(value)};")
     lines.append(f"#define KERNEL_NAME {spec.key}")
     parts = ["\n".join(lines)]
-    for name in TEMPLATES:
+    for name in WS_TEMPLATES if spec.tile.producer else TEMPLATES:
         parts.append(f"// ---- templates/{name} ----\n" + _template(name))
         if name == "prelude.cu":
             parts.append("// ---- warpgroup mma shapes (fusednorm/codegen/render.py) ----\n" + wgmma_helpers(spec))

@@ -13,7 +13,7 @@ force_role: str | None = None  # one of spec.TILE_ROLES, or None (automatic)
 
 
 def tile_role(q_len: int, kv_len: int, batch: int = 1, heads: int = 1, sm_count: int = 132,
-              stage: bool = False, few_keys: bool = True) -> str:
+              stage: bool = False, few_keys: bool = True, many_keys_ws: bool = False) -> str:
     """Which tile configuration suits these lengths.
 
     "long" (128 query rows per CTA, two m-tiles per warp) reuses each K/V fragment twice and halves the per-row
@@ -28,7 +28,8 @@ def tile_role(q_len: int, kv_len: int, batch: int = 1, heads: int = 1, sm_count:
     tile at Lk 1500 (Whisper prefill -6.5 %, and -1.5 % with 4x the query rows) but lost wherever Lk is a multiple
     of the long tile's 128 keys (Lk 512: +12 %, Lk 2048: +9 and +10 %; 2026-12-03): those keep the long tile.
     Why 1500 favours the third CTA is not established; other lengths were not measured. The stage keeps the long
-    tile there, whose registers the folded Q needs.
+    tile there, whose registers the folded Q needs. ``many_keys_ws``: the family's many_keys tile is the
+    warp-specialised one (sm_90, d = 64, no mask: spec.tile_for), which takes every Lk from MANY_KEYS on.
     """
     if force_role is not None:  # few_keys cannot take more keys than its one stage holds
         return "base" if force_role == "few_keys" and kv_len > FEW_KEYS else force_role
@@ -39,7 +40,8 @@ def tile_role(q_len: int, kv_len: int, batch: int = 1, heads: int = 1, sm_count:
         return "few_keys"  # one stage per head: nothing carried between key tiles (seed -20 %, SD 1.5 -21 %)
     if q_len >= 128 and (kv_len >= 256 or items_128 >= 8 * sm_count):
         # from MANY_KEYS keys on, unless the long tile's 128-key stages hold them exactly
-        return "many_keys" if not stage and kv_len >= MANY_KEYS and kv_len % 128 != 0 else "long"
+        many = kv_len >= MANY_KEYS and (kv_len % 128 != 0 or many_keys_ws)
+        return "many_keys" if not stage and many else "long"
     return "base"
 
 

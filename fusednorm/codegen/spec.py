@@ -34,10 +34,12 @@ class TileConfig:
     one_tile: bool = False  # a head's keys all in one stage (chosen only when Lk <= block_n): nothing carried
     wgmma: bool = False     # sm_90: QK^T and P V as warpgroup mma, B straight from shared memory (see WGMMA_HEAD_DIMS)
     tma: bool = False       # sm_90: stages filled by bulk tensor copies on an mbarrier (wgmma tiles, or dense_rows)
+    producer: bool = False  # sm_90: one more warpgroup fills the stages; ``warps`` consume them (templates/pnca/
+    #                         kernel_ws.cu, FlashAttention-3's warp specialisation)
 
     @property
     def threads(self) -> int:
-        return 32 * self.warps
+        return 32 * self.warps + (128 if self.producer else 0)
 
     @property
     def rows_per_warp(self) -> int:
@@ -68,6 +70,8 @@ class TileConfig:
             t += "wg"
         if self.tma:
             t += "tma"
+        if self.producer:
+            t += "ws"
         return t
 
 
@@ -81,13 +85,23 @@ WGMMA_HEAD_DIMS = (64, 128)  # K/V rows of whole 128-byte swizzle blocks: what t
 WGMMA_ROLES = ("base", "long", "many_keys", "few_keys")  # not "short": its warps split the keys (a warpgroup shares)
 
 
-def tile_for(role: str, head_dim: int, arch: int = 80, stage: bool = False) -> TileConfig:
+def tile_for(role: str, head_dim: int, arch: int = 80, stage: bool = False,
+             warp_specialised: bool = False) -> TileConfig:
     """The tile configuration a role gets for a head dim on a GPU arch (register and shared-memory budgets decide;
     every one fits the 163 KB an sm_80 CTA may use). On sm_90 the roles in WGMMA_ROLES run on the warpgroup mma
     for the head dims it takes: one m-tile per warp, so that 4 warps make one 64-row wgmma tile. ``stage``: the
-    tile is for the projection plan's attention stage (folded Q in, o out)."""
+    tile is for the projection plan's attention stage (folded Q in, o out). ``warp_specialised``: the spec can take
+    the warp-specialised kernel (no mask, y = x + attention: KernelSpec checks), which sm_90's d-64 many_keys role
+    then gets."""
     if role == "many_keys" and not (arch == 90 and head_dim == 64):
         return tile_for("long", head_dim, arch)  # only the sm_90 d-64 long tile has a many_keys variant
+    if role == "many_keys" and warp_specialised and not stage:
+        # warp-specialised (kernel_ws.cu): a producer warpgroup and two consumer warpgroups of 64 rows sharing
+        # three 128-key stages, 1 CTA per SM, FlashAttention-3's overlap of softmax and P V. Against the long tile
+        # in one run (H100): Whisper prefill 166-174 against 215-217 us, Lk 2048 1286-1296 against 1715-1721
+        # (docs/PERF.md, thirty-sixth run)
+        return TileConfig(warps=8, m_tiles=1, block_n=128, key_split=1, stages=3, wgmma=True, tma=True,
+                          producer=True)
     if arch == 90 and head_dim in WGMMA_HEAD_DIMS and role in WGMMA_ROLES:
         # stages filled by bulk tensor copies, one thread issuing them (against the 16-byte-copy twins, same run:
         # seed -5.5 %, T5 -5 %, Whisper prefill -8.5 %; against the day's earlier kernel the few-key shapes are
@@ -168,6 +182,11 @@ class KernelSpec:
             raise ValueError(f"fusednorm: tile {t.token} fills its stages by bulk tensor copies, which only the "
                              f"warpgroup-mma kernels and, on sm_90, head dims of an odd number of 16-byte chunks "
                              f"(d = 40) without a key split do")
+        if t.producer and not (t.wgmma and t.tma and t.warps == 8 and self.head_dim == 64 and self.mask == "none"
+                               and not self.q_from_qraw and not self.write_o):
+            raise ValueError(f"fusednorm: tile {t.token} is warp-specialised (templates/pnca/kernel_ws.cu), which "
+                             f"takes sm_90 wgmma with bulk copies, 8 consumer warps, head dim 64, no mask and no "
+                             f"projection stage")
         # canonical forms, so that equal code means an equal key
         if self.q_from_qraw and (self.has_gamma or self.has_beta):  # folded into Wq': the kernel never reads them
             object.__setattr__(self, "has_gamma", False)
@@ -212,9 +231,11 @@ class KernelSpec:
         whose warps hold one m-tile of their own rows, a head's keys in several stages. On an H100 this took T5's
         decoder from 41.0 to 38.2-38.7 us (docs/PERF.md, twenty-fourth run); the one-tile kernels spilled with it
         (for -1 % on SDXL 32x32) and the plan's stage lost 3 % (T5) to 5 % (SDXL 32x32), so they sum each row
-        whole."""
+        whole; so does the warp-specialised kernel, whose consumers may not hold a CTA barrier (the producer's
+        warps never reach it)."""
         t = self.tile
-        return not (t.one_tile or t.key_split > 1 or t.m_tiles > 1 or self.q_from_qraw or self.write_o)
+        return not (t.one_tile or t.key_split > 1 or t.m_tiles > 1 or t.producer or self.q_from_qraw
+                    or self.write_o)
 
     @property
     def kv_swizzled(self) -> bool:
@@ -270,6 +291,9 @@ class KernelSpec:
         has_vecs = self.q_from_qraw or self.has_gamma or self.has_beta
         affine_slots = t.stages * 2 * self.head_dim * (4 if wide else 2) if has_vecs else 0
         barriers = t.stages * 8 if t.tma else 0
+        if t.producer:  # full / empty per stage and x slot, then each consumer warp's affine slot (kernel_ws.cu;
+            # one slot more: they start on a slot-size boundary past the barriers)
+            barriers = 4 * t.stages * 8 + (t.warps + 1) * affine_slots // t.stages
         return kv + ones + q + x_slots + stats + affine_slots + barriers  # the key split merges in a stage
 
 
@@ -285,6 +309,12 @@ def supported_grid(archs=ARCHS):
                     s = KernelSpec(dtype, d, "layer", True, True, True, "add", True, tile_for(role, d, arch), arch,
                                    True)
                     specs[s.key] = s  # roles that share a tile (d = 256) share the kernel
+                ws = tile_for("many_keys", d, arch, warp_specialised=True)
+                for s in ((KernelSpec(dtype, d, "layer", True, True, True, "none", False, ws, arch, True),
+                           KernelSpec(dtype, d, "rms", True, False, False, "none", False, ws, arch, False),
+                           KernelSpec(dtype, d, "layer", False, False, False, "none", False, ws, arch, False))
+                          if ws.producer else ()):  # the warp-specialised kernel takes no mask: each norm form
+                    specs[s.key] = s
                 base = tile_for("base", d, arch)
                 for s in (KernelSpec(dtype, d, "rms", True, False, False, "bool", False, base, arch, False),
                           KernelSpec(dtype, d, "layer", False, False, False, "add", False, base, arch, False),

@@ -24,13 +24,14 @@ def tile_sets(arch: int) -> list[str]:
 
 def tiles_of(tile_set: str):
     if tile_set == "sm80_tiles":
-        return lambda role, d, arch=80, stage=False: tile_for(role, d, 80, stage)
+        return lambda role, d, arch=80, stage=False, warp_specialised=False: tile_for(role, d, 80, stage)
     return tile_for
 
 
-def copy_twin_tiles(role, d, arch=80, stage=False):
-    """A tile with its bulk tensor copies (TMA) swapped for the 16-byte copies, the same math otherwise."""
-    return replace(tile_for(role, d, arch, stage), tma=False)
+def copy_twin_tiles(role, d, arch=80, stage=False, warp_specialised=False):
+    """A tile with its bulk tensor copies (TMA) swapped for the 16-byte copies, the same math otherwise; for the
+    warp-specialised tile (kernel_ws.cu) the same tile in kernel.cu, whose serial order does the same arithmetic."""
+    return replace(tile_for(role, d, arch, stage, warp_specialised), tma=False, producer=False)
 
 
 def family_specs(arch, dtype, d, norm_variant, mask, mask_f32=False, check=False, tiles=tile_for, affine_f32=False):
@@ -40,8 +41,8 @@ def family_specs(arch, dtype, d, norm_variant, mask, mask_f32=False, check=False
     has_g = norm_variant in ("layer_affine", "layer_gamma", "rms")
     has_b = norm_variant == "layer_affine"
     kind = "none" if mask == "none" else ("bool" if mask == "bool" else "add")
-    return [KernelSpec(dtype, d, norm, has_g, has_b, affine_f32, kind, mask_f32, tiles(r, d, arch), arch, check)
-            for r in TILE_ROLES]
+    return [KernelSpec(dtype, d, norm, has_g, has_b, affine_f32, kind, mask_f32,
+                       tiles(r, d, arch, warp_specialised=kind == "none"), arch, check) for r in TILE_ROLES]
 
 
 def kernel_test_specs(arch: int) -> list[KernelSpec]:

@@ -3,10 +3,10 @@
     compute-sanitizer --tool memcheck  python tests/gpu/sanitize_kernels.py
     compute-sanitizer --tool racecheck python tests/gpu/sanitize_kernels.py
 
-Covers every tile role (short / base / long / few_keys) of templates/pnca/, the padded head dim (40), the largest
-(256), a bool and an additive mask, ragged lengths, rows whose mean is large against their spread (the exact
-statistics pass), one SM's worth of CTAs (several items each) and keys split between CTAs (decode at batch 1),
-so every code path of the template runs once;
+Covers every tile role (short / base / long / many_keys / few_keys) of templates/pnca/ (kernel.cu and, on sm_90,
+kernel_ws.cu), the padded head dim (40), the largest (256), a bool and an additive mask, ragged lengths, rows whose
+mean is large against their spread (the exact statistics pass), one SM's worth of CTAs (several items each) and
+keys split between CTAs (decode at batch 1), so every code path of the template runs once;
 then the projection plan's stage mode (folded Q in, o and its ones column out) once per role.
 """
 from __future__ import annotations
@@ -31,6 +31,9 @@ CASES = [  # (role, dtype, B, Lq, Lk, H, d, mask, mean of x in units of its std[
     ("long", torch.bfloat16, 1, 130, 300, 2, 64, "bool", 0.0),
     ("long", torch.bfloat16, 1, 129, 100, 2, 128, None, 0.0),
     ("many_keys", torch.bfloat16, 1, 130, 250, 2, 64, "bool", 0.0),  # sm_90: 112-key stages, the last partial
+    # sm_90 without a mask: the warp-specialised kernel (kernel_ws.cu), one warpgroup past Lq, a last tile of 6 keys
+    ("many_keys", torch.bfloat16, 1, 129, 1030, 2, 64, None, 0.0),
+    ("many_keys", torch.float16, 2, 200, 300, 3, 64, None, 50.0, 1),  # many items per CTA: the rings wrap
     ("few_keys", torch.bfloat16, 2, 140, 77, 3, 64, "add", 0.0),
     ("few_keys", torch.bfloat16, 1, 40, 77, 3, 64, "add", 50.0),
     ("few_keys", torch.float16, 1, 20, 80, 2, 40, None, 0.0),

@@ -165,7 +165,8 @@ def test_each_tile_role_on_every_head_dim(role, monkeypatch, tile_set):
         for mask in ("none", "add"):
             check_case(torch.bfloat16, 2, 77, Lk, 2, d, "layer_affine", mask, gen)
             wgmma = tile_set == "native" and _arch() == 90 and d in WGMMA_HEAD_DIMS and role in WGMMA_ROLES
-            assert launch.last_launched.endswith(("wg_sm90", "wgtma_sm90")) == wgmma, launch.last_launched
+            assert launch.last_launched.endswith(("wg_sm90", "wgtma_sm90", "wgtmaws_sm90")) == wgmma, \
+                launch.last_launched
     if role == "few_keys":  # every key count up to the stage, including a full one (no edge n-tile)
         for Lk in (1, 15, 16, 17, 64, 79, 80):
             for d in (64, 40):  # d = 40: QK^T's last k-step of 8 columns (and on sm_90 unpadded bulk-copied rows)
@@ -520,11 +521,40 @@ def test_bulk_copy_stages_match_the_16_byte_copies_bit_for_bit(role, monkeypatch
             monkeypatch.setattr(codegen, "tile_for", tiles)
             codegen.forget_loaded_kernels()
             outs[name] = [fused(*c, "layer") for c in cases]
-            assert launch.last_launched.endswith("tma_sm90") == (name == "tma"), launch.last_launched
+            assert launch.last_launched.endswith(("tma_sm90", "tmaws_sm90")) == (name == "tma"), launch.last_launched
         for c, a, b in zip(cases, outs["tma"], outs["copies"]):
             assert torch.isfinite(a).all()
             assert torch.equal(a, b), f"d {d}, mask {mask}, x {tuple(c[0].shape)}, Lk {c[1].shape[2]}"
     codegen.forget_loaded_kernels()
+
+
+@pytest.mark.skipif(_arch() != 90, reason="the warp-specialised kernel runs on sm_90")
+def test_warp_specialised_kernel_runs_long_keys_without_a_mask():
+    """From MANY_KEYS keys on, d = 64 without a mask runs kernel_ws.cu (a producer warpgroup filling the stages for
+    two consumer warpgroups). Against float64: each norm form and dtype, odd lengths (a consumer warpgroup wholly
+    past Lq at Lq 129, a last key tile of one key at Lk 1025), k/v as transposed views and broadcast over batch,
+    fp32 norm parameters, a negative scale; sm_count=1 (one CTA per SM working through every item, the rings'
+    phases wrapping many times) gives the same bits; the numerics flag fires on an injected NaN."""
+    gen = torch.Generator(device=DEV).manual_seed(int.from_bytes(os.urandom(4), "little"))
+    cases = ((torch.bfloat16, 2, 129, 1025, 4, "layer_affine", None), (torch.float16, 1, 448, 1500, 6, "rms", None),
+             (torch.bfloat16, 3, 200, 2048, 2, "layer_plain", None), (torch.float16, 2, 130, 1024, 3, "layer_affine",
+                                                                        -0.05))
+    for dtype, B, Lq, Lk, H, norm_variant, scale in cases:
+        check_case(dtype, B, Lq, Lk, H, 64, norm_variant, "none", gen, scale=scale)
+        assert launch.last_launched.endswith("wgtmaws_sm90"), launch.last_launched
+    x, k, v, g, b, _ = make_inputs(torch.bfloat16, 3, 257, 1100, 5, 64, gen=gen)
+    k = k[:1].expand(3, -1, -1, -1)  # one batch's keys for all three
+    g32, b32 = g.float(), b.float()
+    ref = reference64(x, k, v, g32, b32, None, "layer", 1e-5, None)
+    y, y1 = (fused(x, k, v, g32, b32, None, "layer", sm_count=s) for s in (None, 1))
+    assert launch.last_launched.endswith("wgtmaws_sm90"), launch.last_launched
+    assert rel_l2(y, ref) <= 2 * rel_l2(eager_block(x, k, v, g, b, None, "layer", 1e-5, None), ref) + 1e-7
+    assert torch.equal(y, y1)
+    bad_v = v.clone()
+    bad_v[2, 4, 1099, 5] = float("nan")  # the last key of the last head
+    with pytest.raises(fusednorm.FusedNormNumericsError):
+        fused(x, k, bad_v, g, b, None, "layer", check_numerics=True)
+    fused(x, k, v, g, b, None, "layer", check_numerics=True)  # quiet on clean input
 
 
 def test_broadcast_kv_is_read_in_place_and_repeated_keys_are_copied():
