@@ -8,7 +8,7 @@ kernel: for shapes that other roles take);
 a replacement that no longer matches the template stops the run, so the cuts cannot silently go stale. The mma cuts
 edit both the mma.sync and the warpgroup-mma (sm_90) code, so they cut whichever the GPU runs.
 
-    PYTHONPATH=. python bench/ablate_kernel.py --variants [--shapes ...]
+    PYTHONPATH=. python bench/ablate_kernel.py --variants [--shapes ...] [--rounds N]
 
 Variants are edits that keep the result: each kernel's output must equal the baseline's bit for bit (the run
 stops otherwise), and they are timed over rotating input sets, as bench_block.py times the block, because they are
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -136,6 +137,17 @@ def _stat_groups(n):  # the columns are summed in the same order whatever the gr
              f"constexpr int STAT_GROUPS = MIN_CTAS_PER_SM > 1 ? {n} : 8;")]
 
 
+_WS_BOUNDARY = ("        block_boundary(p.kv_len);  // the P V's wait stays below the exponentials\n", "")
+_WS_MAX_TREE = (  # kernel_ws.cu's softmax_tile's row maximum as a tree of pairs (5 steps deep), and its chain
+    "    float part[S_NTILES];\n#pragma unroll\n"
+    "    for (int nt = 0; nt < S_NTILES; ++nt) part[nt] = fmaxf(s[nt][2 * half], s[nt][2 * half + 1]);\n"
+    "#pragma unroll\n    for (int w = 1; w < S_NTILES; w *= 2)  // (pairs at distance w: a count the unroller sees)\n"
+    "#pragma unroll\n      for (int i = 0; i < S_NTILES; i += 2 * w) part[i] = fmaxf(part[i], part[i + w]);\n"
+    "    float mx = fmaxf(neg_inf(), part[0]);\n")
+_WS_MAX_CHAIN = ("    float mx = neg_inf();\n#pragma unroll\n    for (int nt = 0; nt < S_NTILES; ++nt) "
+                 "mx = fmaxf(mx, fmaxf(s[nt][2 * half], s[nt][2 * half + 1]));\n")
+
+
 VARIANTS = {  # name -> (what it changes, [(old, new), ...]); results must stay bit-identical
     "stats_keep": ("the statistics pass's x loads evict-last in L2", _stats_keep(1.0)),
     "stats_keep_half": ("the same for half of the lines (createpolicy fraction 0.5)", _stats_keep(0.5)),
@@ -149,14 +161,21 @@ VARIANTS = {  # name -> (what it changes, [(old, new), ...]); results must stay 
     "stat_groups_5": ("the statistics pass with 5 loads of 16 bytes per row and lane in flight, not 4",
                       _stat_groups(5)),
     "stat_groups_6": ("the same with 6 (the most that spills nothing at 128 registers)", _stat_groups(6)),
+    # (ws_: the warp-specialised kernel only, templates/pnca/kernel_ws.cu; shapes whisper_pre, seed_lk2048)
+    "ws_wait_hoisted": ("no block boundary: ptxas waits for the P V before the exponentials", [_WS_BOUNDARY]),
+    "ws_max_tree": ("the row maximum as a tree of pairs, 5 steps deep, not a chain of 16 (the same bits)",
+                    [(_WS_MAX_CHAIN, _WS_MAX_TREE)]),
 }
 
 
 def edited_render(original, name, edits, all_roles):
-    """``render`` with ``edits`` applied to the one-tile kernels (every kernel with ``all_roles``)."""
+    """``render`` with ``edits`` applied to the one-tile kernels (every kernel with ``all_roles``); a ws_ variant's
+    to the warp-specialised kernels only."""
     def render(spec):
         src = original(spec)
-        if not (spec.tile.one_tile or all_roles):
+        if name.startswith("ws_") != spec.tile.producer:
+            return src
+        if not (spec.tile.one_tile or all_roles or spec.tile.producer):
             return src
         if name == "no_refill" and spec.tile.tma:  # its stages' barriers would never complete again
             raise SystemExit("cut 'no_refill' would hang a tile whose stages are bulk copies; time its twin "
@@ -177,6 +196,9 @@ def main():
                     help="time these result-keeping variants (none named, or 'all': every one) instead of the cuts")
     ap.add_argument("--all-roles", action="store_true", help="cut every role's kernel, not only the one-tile ones")
     ap.add_argument("--heads-per-item", type=int, default=None, help="pin G, the heads of one work item")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="time every kernel this many times, round robin (each from its own cache directory), and "
+                         "print the median: a GPU whose clocks drift under a long load moves one round, not a column")
     args = ap.parse_args()
     select.force_heads_per_item = args.heads_per_item
     form = NoProjForm()
@@ -195,21 +217,32 @@ def main():
     if unknown:
         raise SystemExit(f"unknown: {unknown}; known: {', '.join(table)}")
     print("cut".ljust(22) + "".join(f"{n:>12s}" for n in inputs) + "   (us, CUDA-graph replay median)")
-    expected = {}
-    for name in names:
-        what, edits = table[name]
-        cache.render = edited_render(original, name, edits, args.all_roles)
-        codegen.forget_loaded_kernels()  # also drops the compiles held in memory: the edit is built and loaded
-        if args.variants is not None:  # a variant must leave every bit of y as the baseline computes it
-            for shape, sets in inputs.items():
-                y = form.fused(**sets[0])
-                if expected.setdefault(shape, y) is y:
-                    continue
-                if not torch.equal(y, expected[shape]):
-                    raise SystemExit(f"variant {name!r} changed the result on {shape}")
-        row = [graph_time_us(form.fused, sets, min_total_s=0.1) for sets in inputs.values()]
-        print(f"{name:22s}" + "".join(f"{us:12.1f}" for us in row) + f"   {what}", flush=True)
+    expected, times = {}, {name: [] for name in names}
+    cache_root = os.environ["FUSEDNORM_CACHE_DIR"]
+    for rnd in range(args.rounds):
+        for name in names:
+            what, edits = table[name]
+            cache.render = edited_render(original, name, edits, args.all_roles)
+            os.environ["FUSEDNORM_CACHE_DIR"] = os.path.join(cache_root, name)  # compiled once, loaded each round
+            codegen.forget_loaded_kernels()  # also drops the compiles held in memory: the edit is built and loaded
+            if args.variants is not None and rnd == 0:  # a variant must leave every bit of y as the baseline's
+                for shape, sets in inputs.items():
+                    y = form.fused(**sets[0])
+                    if expected.setdefault(shape, y) is y:
+                        continue
+                    if not torch.equal(y, expected[shape]):
+                        raise SystemExit(f"variant {name!r} changed the result on {shape}")
+            row = [graph_time_us(form.fused, sets, min_total_s=0.1) for sets in inputs.values()]
+            times[name].append(row)
+            label = name if args.rounds == 1 else f"{name} ({rnd + 1})"
+            print(f"{label:22s}" + "".join(f"{us:12.1f}" for us in row) + f"   {what}", flush=True)
+    if args.rounds > 1:
+        print(f"median of {args.rounds} rounds:")
+        for name in names:
+            row = [statistics.median(r[i] for r in times[name]) for i in range(len(inputs))]
+            print(f"{name:22s}" + "".join(f"{us:12.1f}" for us in row) + f"   {table[name][0]}", flush=True)
     cache.render = original
+    os.environ["FUSEDNORM_CACHE_DIR"] = cache_root
 
 
 if __name__ == "__main__":

@@ -11,7 +11,8 @@
 #   (bench/kernel_choice.py: what the default kernel="auto" picks against kernel and Inductor) run only when STEPS
 #   names them.
 #   OUT=<dir> [STEPS="gpu bench cpu models"] [SWEEP_SHAPES=t5_dec,...] [SWEEP_CHUNKS=1,2,4,8] [SWEEP_GROUPS=16,4] \
-#     [SWEEP_FORM=proj] [NCU_SHAPES="seed sdxl64"] [ABLATE_VARIANTS=stats_keep,...: ablate times L2-policy variants] \
+#     [SWEEP_FORM=proj] [NCU_SHAPES="seed sdxl64"] [ABLATE_VARIANTS=stats_keep,...: ablate times variants] \
+#     [ABLATE_ROUNDS=5: each kernel timed 5 times round robin] \
 #     bash bench/device_run.sh
 #   (models: MODELS=t5,torch MODEL_VARIANTS=inductor,fusednorm_plan,inductor_cg,fusednorm_plan_cg MODELS_TIMEOUT=...)
 #   (ab: AB_SHAPES=sd15_64 AB_ONLY=<tokens> AB_BASE_ONLY=<tokens> AB_FORMS="noproj proj", against ab_base/ if present)
@@ -41,7 +42,7 @@ for step in $STEPS; do
         find /tmp/fnk -name '*.fnk' -newer /tmp/fnk.unpacked -printf '%f\n' | sort > "$OUT/compiled_on_device.txt"
         echo "kernels compiled on the device: $(wc -l < "$OUT/compiled_on_device.txt") (keys in compiled_on_device.txt)"
       fi ;;
-    ablate) timeout ${ABLATE_TIMEOUT:-200} python3 bench/ablate_kernel.py ${ABLATE_CUTS:+--cuts $ABLATE_CUTS} ${ABLATE_SHAPES:+--shapes $ABLATE_SHAPES} ${ABLATE_ALL:+--all-roles} ${ABLATE_VARIANTS:+--variants $ABLATE_VARIANTS} 2>&1 | tee -a "$OUT/ablate.log" | tail -12 ;;
+    ablate) timeout ${ABLATE_TIMEOUT:-200} python3 bench/ablate_kernel.py ${ABLATE_CUTS:+--cuts $ABLATE_CUTS} ${ABLATE_SHAPES:+--shapes $ABLATE_SHAPES} ${ABLATE_ALL:+--all-roles} ${ABLATE_VARIANTS:+--variants $ABLATE_VARIANTS} ${ABLATE_ROUNDS:+--rounds $ABLATE_ROUNDS} 2>&1 | tee -a "$OUT/ablate.log" | tail -12 ;;
     ab) for form in ${AB_FORMS:-noproj proj}; do  # the tree's candidates, then a base tree's (ab_base/: git archive
         # main fusednorm bench | tar -x -C ab_base, carried untracked) on the same shapes, in one process each
         echo "== this tree, $form"; timeout 150 python3 bench/sweep_tiles.py --shapes ${AB_SHAPES:-sd15_64} ${AB_ONLY:+--only $AB_ONLY} --form $form 2>&1 | tee "$OUT/ab_$form.log" | tail -8

@@ -238,12 +238,20 @@ def test_every_ablation_cut_applies_to_each_kernel(arch, role, d, monkeypatch):
         if name in ("no_qk_mma", "no_pv_mma"):
             assert cut != source
             compile_to_cubin(cut, spec.key, spec.arch)
+    ws = tile_for("many_keys", 64, 90, warp_specialised=True)
+    ws_spec = KernelSpec("bf16", 64, "layer", True, True, False, "none", False, ws, 90, False)
     for name, (_, edits) in ab.VARIANTS.items():  # what --variants times must build, and change the source
-        variant = ab.edited_render(lambda _: source, name, edits, all_roles=True)(spec)
-        assert variant != source, name
+        target, text = spec, source
+        if name.startswith("ws_"):  # the warp-specialised kernel's variants, and only its
+            assert ab.edited_render(lambda _: source, name, edits, all_roles=True)(spec) == source, name
+            if (arch, role, d) != (90, "long", 64):
+                continue
+            target, text = ws_spec, render(ws_spec)
+        variant = ab.edited_render(lambda _, t=text: t, name, edits, all_roles=True)(target)
+        assert variant != text, name
         if any("cache_hint" in new for _, new in edits):  # an L2-policy variant: its loads or stores carry the hint
-            assert variant.count("cache_hint") > source.count("cache_hint"), name
-        _, usage, _ = compile_to_cubin(variant, spec.key, spec.arch)
+            assert variant.count("cache_hint") > text.count("cache_hint"), name
+        _, usage, _ = compile_to_cubin(variant, target.key, target.arch)
         assert usage.spill_stores == usage.spill_loads == 0, (name, usage)
 
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import re
 import sys
 from concurrent.futures import ProcessPoolExecutor
 
@@ -209,6 +210,25 @@ def test_warp_specialised_tile_is_sm90_many_keys_for_plain_blocks():
     assert select.tile_role(448, 1500, 16, 20, many_keys_ws=True) == "many_keys"
     assert select.tile_role(448, 1023, 16, 20, many_keys_ws=True) == "long"
     assert select.tile_role(448, 1500, 16, 20, stage=True, many_keys_ws=True) == "long"
+
+
+def test_warp_specialised_exponentials_run_while_the_p_v_does():
+    """In kernel_ws.cu's main loop a tile's softmax sits between the previous tile's P V issue and the wait for it,
+    so that the tensor cores and the exponentials run at once. ptxas hoists that wait into the row maximum's first
+    stall unless a basic-block boundary holds it (block_boundary): the SASS then had no exponential between them.
+    Read from the machine code: every overlap (inner and last tile, both signs of the scale) holds most of the
+    tile's 64 exponentials per lane."""
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
+    from sass_census import disassemble, find_nvdisasm
+
+    nvdisasm = find_nvdisasm()
+    assert nvdisasm is not None, "the test extra installs nvidia-cuda-nvdisasm"
+    ws = tile_for("many_keys", 64, 90, warp_specialised=True)
+    spec = KernelSpec("bf16", 64, "layer", True, True, False, "none", False, ws, 90, False)
+    sass = disassemble(compile_to_cubin(render(spec), spec.key, 90)[0], nvdisasm)
+    overlaps = re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x1 ;(.*?)WARPGROUP\.DEPBAR\.LE gsb0, 0x0 ;", sass, re.S)
+    exponentials = [block.count("MUFU.EX2") for block in overlaps]
+    assert len(exponentials) == 4 and min(exponentials) >= 48, exponentials
 
 
 def test_sm90_long_tile_for_small_heads_takes_128_rows_but_the_plan_stage_keeps_64():

@@ -14,10 +14,10 @@
 // warp copies its head's norm parameters for itself. The arithmetic is kernel.cu's, in its order: the same bits.
 // The first and the last key tile of a head are peeled out of the loop, so that the tiles between carry no test
 // for keys past Lk, and the scale's sign picks one of two copies of the consumer: inside the overlap ptxas turns
-// any branch into per-score predicates, which had cost 190 of the loop's 490 instructions. (ptxas still waits for
-// the P V at the row maximum's first shuffle, so the exponentials run after it: the overlap covers the maximum.)
-// On an H100 (docs/PERF.md, thirty-sixth run): Whisper prefill 164 µs against the long tile's 215, the seed with
-// Lk 2048 1296-1330 against 1715.
+// any branch into per-score predicates, which had cost 190 of the loop's 490 instructions. A basic-block boundary
+// keeps the P V's wait after the softmax (block_boundary: -1 to -3 % on Lk 2048, thirty-seventh run).
+// On an H100 (docs/PERF.md, thirty-sixth and thirty-seventh runs): Whisper prefill 164-174 µs against the long
+// tile's 215, the seed with Lk 2048 1250-1323 against 1715.
 
 static_assert(USE_WGMMA && USE_TMA && ROWSUM_IN_PV && HEAD_DIM == 64 && MASK_KIND == 0 && MASK_ELEM_BYTES > 0 &&
                   NEEDS_X_SLICE && !Q_FROM_QRAW && !WRITE_O && !GROUPED_STATS && KEY_SPLIT == 1 && !ONE_TILE,
@@ -139,6 +139,15 @@ FN_INLINE void softmax_tile(float (&s)[S_NTILES][4], float (&m)[2], float (&alph
   }
 }
 
+// Ends ptxas's basic block here. ptxas schedules each block on its own, and inside one it hoists a wgmma wait
+// into the first stall it finds: in the overlap below that is the row maximum's shuffle, which left every
+// exponential after the P V's wait (the warpgroup's P V then overlapped only the maximum). The branch is never
+// taken (Lk >= 1); the fence only gives its block a body, so that ptxas keeps it. tests/test_codegen_compile.py
+// reads the exponentials' place from the machine code.
+FN_INLINE void block_boundary(int kv_len) {
+  if (kv_len < 0) asm volatile("membar.cta;\n" ::: "memory");
+}
+
 // P as the A operand of O += P V: k-step ks holds keys 16 ks .. 16 ks + 15.
 FN_INLINE void pack_p(const float (&s)[S_NTILES][4], u32 (&pa)[PV_KSTEPS][4]) {
 #pragma unroll
@@ -258,6 +267,7 @@ FN_INLINE void consume(const Params& p, const TmaMaps& maps, WsBars bars, int wa
           softmax_tile<PRESCALE, true>(s, m, alpha, false, p.kv_len - t * KV_ROWS, c, p.scale_log2, lane);
         else
           softmax_tile<PRESCALE, false>(s, m, alpha, false, BLOCK_N, c, p.scale_log2, lane);
+        block_boundary(p.kv_len);  // the P V's wait stays below the exponentials
         wgmma_wait<0>();
         pin_all(o[0]);
         pin_all(pa);
