@@ -165,6 +165,10 @@ FN_INLINE u64 sw128_desc(u32 addr, u32 leading_bytes, u32 stride_bytes) {
 // The same descriptor for a tile `bytes` further on: only the start-address field moves, and it cannot carry out
 // (it holds bits 4-17 of a shared address, and shared memory ends below 256 KB).
 FN_INLINE u64 desc_advance(u64 desc, u32 bytes) { return desc + (bytes >> 4); }
+// A warpgroup takes registers from the CTA's pool or gives them back, to N per thread (warp-specialised kernels:
+// ptxas allocates the code after each to its count).
+template <int N> FN_INLINE void setmaxnreg_inc() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N)); }
+template <int N> FN_INLINE void setmaxnreg_dec() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N)); }
 FN_INLINE void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 FN_INLINE void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 template <int N>
@@ -199,6 +203,10 @@ FN_INLINE void mbar_init(u32 bar, u32 arrivals) {
 FN_INLINE void fence_mbar_init() { asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory"); }
 FN_INLINE void mbar_arrive_expect_tx(u32 bar, u32 bytes) {
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+// One arrival and no bytes: a consumer handing a stage back (warp-specialised kernels).
+FN_INLINE void mbar_arrive(u32 bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
 }
 // Spins until the barrier has completed the phase of this parity.
 FN_INLINE void mbar_wait(u32 bar, u32 parity) {

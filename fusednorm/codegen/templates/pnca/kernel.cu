@@ -17,10 +17,7 @@ FN_INLINE void cursor_enter_item(const Params& p, StepCursor& c, int key_tiles) 
   if (c.item >= p.items) return;
   const int chunks = KV_CHUNKED ? p.kv_chunks : 1;  // an item is (batch, row block, head group, run of keys)
   const int unit = c.item / chunks;
-  const int group = unit % p.head_groups;
-  c.row_block = (unit / p.head_groups) % p.row_blocks;
-  c.b = unit / (p.head_groups * p.row_blocks);
-  c.head = group * p.heads_per_item;
+  unit_place(p, unit, c.b, c.row_block, c.head);
   c.head_in_item = 0;
   if constexpr (KV_CHUNKED) {  // the planner makes every run non-empty
     c.chunk = c.item - unit * chunks;
@@ -64,13 +61,10 @@ FN_INLINE void load_step_tma(const Params& p, const TmaMaps& maps, const StepCur
   const TensorMap* map = k ? &maps.k : &maps.v;
   const int h = (k ? p.k_sh : p.v_sh) != 0 ? c.head : 0, b = (k ? p.k_sb : p.v_sb) != 0 ? c.b : 0;
   const u32 dst = smem_addr((k ? k_stages : v_stages) + stage * KV_TILE_ELEMS);
-  // K/V tiles that no other item reads (one row block, no broadcast dims) stream through L2 evict-first, so that
-  // they do not push out the x rows that the other head groups' items read again (T5: 67 MB of K/V, 8 MB of x).
-  // Elsewhere the copies carry no policy at all (a normal-priority one measured slower on SDXL).
-  const bool kv_read_once = p.row_blocks == 1 && p.k_sb != 0 && p.k_sh != 0 && p.v_sb != 0 && p.v_sh != 0;
+  const bool read_once = kv_read_once(p);
 #pragma unroll
   for (int cb = 0; cb < TMA_BOXES; ++cb) {
-    if (kv_read_once)
+    if (read_once)
       tma_load_4d_hint(dst + cb * KV_BOX, map, cb * TMA_BOX_COLS, c.tile * KV_ROWS, h, b, bar, l2_evict_first());
     else
       tma_load_4d(dst + cb * KV_BOX, map, cb * TMA_BOX_COLS, c.tile * KV_ROWS, h, b, bar);

@@ -46,11 +46,6 @@ static_assert(OFF_BARS + WS_BAR_BYTES <= SMEM_BYTES &&
                   OFF_AFFINE + (WARP_AFFINE_SLOT0 + WARPS) * AFFINE_SLOT_BYTES <= SMEM_BYTES,
               "launch.py's shared-memory size is too small");
 
-template <int N> FN_INLINE void setmaxnreg_inc() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N)); }
-template <int N> FN_INLINE void setmaxnreg_dec() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N)); }
-FN_INLINE void mbar_arrive(u32 bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
-}
 // A position in a ring of STAGES slots, and the parity of its barriers' current phase.
 struct Ring {
   int slot = 0;
@@ -60,14 +55,11 @@ struct Ring {
   }
 };
 
-// Work item -> (batch, row block, heads [head0, head_end)), as kernel.cu's cursor_enter_item deals them.
+// Work item -> (batch, row block, heads [head0, head_end)): layout.cu's unit_place (items here have no runs of keys).
 struct WsItem { int b, row_block, head0, head_end; };
 FN_INLINE WsItem ws_item(const Params& p, int item) {
   WsItem it;
-  const int group = item % p.head_groups;
-  it.row_block = (item / p.head_groups) % p.row_blocks;
-  it.b = item / (p.head_groups * p.row_blocks);
-  it.head0 = group * p.heads_per_item;
+  unit_place(p, item, it.b, it.row_block, it.head0);
   it.head_end = min(p.heads, it.head0 + p.heads_per_item);
   return it;
 }
@@ -75,8 +67,7 @@ FN_INLINE WsItem ws_item(const Params& p, int item) {
 // The producer's first thread: per head its x slice, then its key tiles, each into the next free slot of its ring.
 FN_INLINE void produce(const Params& p, const TmaMaps& maps, WsBars bars) {
   const int key_tiles = (p.kv_len + KV_ROWS - 1) / KV_ROWS;
-  // K/V that no other item reads stream through L2 evict-first (see kernel.cu's load_step_tma)
-  const bool kv_read_once = p.row_blocks == 1 && p.k_sb != 0 && p.k_sh != 0 && p.v_sb != 0 && p.v_sh != 0;
+  const bool read_once = kv_read_once(p);  // through L2 evict-first (layout.cu)
   const u64 policy = l2_evict_first();
   Ring kv, xs;
   for (int item = blockIdx.x; item < p.items; item += gridDim.x) {
@@ -94,7 +85,7 @@ FN_INLINE void produce(const Params& p, const TmaMaps& maps, WsBars bars) {
         const u32 v_dst = smem_addr(smem + OFF_V + kv.slot * KV_TILE_BYTES);
         mbar_wait(bars.empty(kv.slot), kv.phase ^ 1u);
         mbar_arrive_expect_tx(full, 2 * KV_TILE_BYTES);
-        if (kv_read_once) {
+        if (read_once) {
           tma_load_4d_hint(k_dst, &maps.k, 0, t * KV_ROWS, kh, kb, full, policy);
           tma_load_4d_hint(v_dst, &maps.v, 0, t * KV_ROWS, vh, vb, full, policy);
         } else {

@@ -164,6 +164,25 @@ static_assert(!USE_TMA || (OFF_X % TMA_ALIGN == 0 && X_TILE_ELEMS * 2 % TMA_ALIG
 
 extern __shared__ __align__(1024) u8 smem[];  // carved up as above; named here so that helpers address it directly
 
+// ---- work items ----
+
+// A work unit (an item less its run of keys: select.plan_launch) is (batch, row block, head group), the head group
+// fastest: its batch, block of query rows and first head. (Written through references: returned as a struct, the
+// same arithmetic changed the machine code of every kernel.)
+FN_INLINE void unit_place(const Params& p, int unit, int& b, int& row_block, int& head0) {
+  const int group = unit % p.head_groups;
+  row_block = (unit / p.head_groups) % p.row_blocks;
+  b = unit / (p.head_groups * p.row_blocks);
+  head0 = group * p.heads_per_item;
+}
+
+// K/V tiles that no other item reads (one row block, no broadcast dims) stream through L2 evict-first, so that
+// they do not push out the x rows that the other head groups' items read again (T5: 67 MB of K/V, 8 MB of x).
+// Elsewhere the copies carry no policy at all (a normal-priority one measured slower on SDXL).
+FN_INLINE bool kv_read_once(const Params& p) {
+  return p.row_blocks == 1 && p.k_sb != 0 && p.k_sh != 0 && p.v_sb != 0 && p.v_sh != 0;
+}
+
 // ---- small vector helpers ----
 
 FN_INLINE void unpack8(const u32x4& v, float (&f)[8]) {
