@@ -47,13 +47,9 @@ struct Args {
   float scale_log2, eps;
 };
 
-template <int N> FN_INLINE void setmaxnreg_inc() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N)); }
-template <int N> FN_INLINE void setmaxnreg_dec() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N)); }
+// (setmaxnreg_inc / _dec and mbar_arrive: the generator's prelude.cu, which probe_attention.py puts first)
 FN_INLINE void named_bar_sync(int id) { asm volatile("bar.sync %0, 256;\n" ::"r"(id) : "memory"); }
 FN_INLINE void named_bar_arrive(int id) { asm volatile("bar.arrive %0, 256;\n" ::"r"(id) : "memory"); }
-FN_INLINE void mbar_arrive(u32 bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
-}
 
 struct Item { int b, h0, rb; };  // h0: the item's first head
 FN_INLINE Item item_at(const Args& a, int item) {  // row blocks innermost: neighbouring CTAs share K/V in L2
