@@ -231,16 +231,6 @@ FN_INLINE void issue_output(float (&o)[O_NT][4], const u32 (&p)[PV_KSTEPS][4], i
   wgmma_commit();
 }
 
-FN_INLINE void rescale(float (&o)[O_NT][4], const float (&alpha)[2]) {
-#pragma unroll
-  for (int nt = 0; nt < O_NT; ++nt) {
-    o[nt][0] *= alpha[0];
-    o[nt][1] *= alpha[0];
-    o[nt][2] *= alpha[1];
-    o[nt][3] *= alpha[1];
-  }
-}
-
 FN_INLINE void consume(const Args& a, Bars bars, int cw, int warp_in_wg, int lane) {
   const int tiles = (a.kv_len + BLOCK_N - 1) / BLOCK_N, g = lane >> 2, t2 = (lane & 3) * 2;
   const float c = a.scale_log2;

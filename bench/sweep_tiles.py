@@ -65,7 +65,13 @@ CANDIDATES = {  # role -> candidate tiles, each with the __launch_bounds__ minim
               (T(4, 1, 32, 4, 2), 3), (T(4, 1, 32, 4, 3), 2), (T(8, 1, 16, 8, 2), 2), (T(8, 1, 16, 8, 3), 2),
               (T(4, 1, 48, 4, 2), 2)],
 }
-CANDIDATES["many_keys"] = CANDIDATES["long"]  # the same tiles, chosen from MANY_KEYS keys on
+WS = dict(wgmma=True, tma=True, producer=True)  # warp-specialised (templates/pnca/kernel_ws.cu): one CTA per SM
+CANDIDATES["many_keys"] = CANDIDATES["long"] + [  # the same tiles, chosen from MANY_KEYS keys on, and the
+    # warp-specialised ones (kernel_ws.cu takes two consumer warpgroups: three, with 192-row items, lost on Whisper
+    # prefill by 8-14 % and were level on Lk 2048 with spills at 160 registers; PERF.md thirty-eighth run)
+    (T(8, 1, 128, 1, 3, **WS), 1), (T(8, 1, 128, 1, 4, **WS), 1), (T(8, 1, 96, 1, 3, **WS), 1),
+    (T(8, 1, 96, 1, 4, **WS), 1), (T(8, 1, 80, 1, 4, **WS), 1)]
+CANDIDATES["many_keys_fine"] = CANDIDATES["many_keys"]
 DEFAULT_SHAPES = "seed,sdxl64,sd15_64,t5_dec,whisper_dec,whisper_pre"
 SHAPES = {**SHAPES, "base_mid": (16, 96, 1024, 16, 300),  # sweep only: a shape the "base" role takes
           "pre_many": (16, 1792, 1280, 20, 1500),  # many_keys or long: Whisper prefill's keys, 4x its rows,
@@ -99,8 +105,9 @@ def main():
         t = form.make_inputs(shape, torch.bfloat16, gen)
         ref = form.eager(**t)
         stage = args.form == "proj"
-        role = select.tile_role(Lq, Lk, B, H, sms, stage=stage)
-        print(f"{name} {shape} role={role} default={original(role, d, arch, stage).token}", flush=True)
+        ws = not stage and original("many_keys", d, arch, warp_specialised=True).producer
+        role = select.tile_role(Lq, Lk, B, H, sms, stage=stage, many_keys_ws=ws)
+        print(f"{name} {shape} role={role} default={original(role, d, arch, stage, ws).token}", flush=True)
         if stage:
             print(f"  planned stage    {graph_time_us(form.fused, [t], min_total_s=0.1):8.1f} us  rel diff "
                   f"{rel_diff(form.fused(**t), ref):.1e}", flush=True)

@@ -17,11 +17,14 @@ ARCHS = (80, 90)  # what CI compiles for; any sm_8x / sm_9x device gets its own 
 
 # Tile configurations are named by the query rows they cover at once (the seed's 128/256/512 idea, scaled to the
 # lengths cross-attention meets): "short" for a handful of query rows (decode), "base", and "long"; "many_keys",
-# the long role's tile for key lengths from MANY_KEYS on (an audio encoder's 1500 frames); and "few_keys" for key
-# lengths up to FEW_KEYS (a text encoder's 77 tokens), where a head's keys fit one stage.
-TILE_ROLES = ("short", "base", "long", "many_keys", "few_keys")
+# the long role's tile for key lengths from MANY_KEYS on (an audio encoder's 1500 frames), and "many_keys_fine", its
+# twin with stages of FINE_KEYS keys where those pad Lk no further than 128-key stages do (only the warp-specialised
+# kernel has one; elsewhere it is the many_keys tile); and "few_keys" for key lengths up to FEW_KEYS (a text
+# encoder's 77 tokens), where a head's keys fit one stage.
+TILE_ROLES = ("short", "base", "long", "many_keys", "many_keys_fine", "few_keys")
 FEW_KEYS = 80  # block_n of the few_keys tiles: the longest Lk they take
 MANY_KEYS = 1024  # from this Lk on (see select.tile_role), the long role may take its many_keys tile
+FINE_KEYS = 96  # block_n of the warp-specialised many_keys_fine tile
 
 
 @dataclass(frozen=True)
@@ -82,7 +85,8 @@ def dense_rows_fit(head_dim: int) -> bool:
 
 
 WGMMA_HEAD_DIMS = (64, 128)  # K/V rows of whole 128-byte swizzle blocks: what the warpgroup mma reads as laid out
-WGMMA_ROLES = ("base", "long", "many_keys", "few_keys")  # not "short": its warps split the keys (a warpgroup shares)
+# not "short": its warps split the keys (a warpgroup shares)
+WGMMA_ROLES = ("base", "long", "many_keys", "many_keys_fine", "few_keys")
 
 
 def tile_for(role: str, head_dim: int, arch: int = 80, stage: bool = False,
@@ -91,8 +95,17 @@ def tile_for(role: str, head_dim: int, arch: int = 80, stage: bool = False,
     every one fits the 163 KB an sm_80 CTA may use). On sm_90 the roles in WGMMA_ROLES run on the warpgroup mma
     for the head dims it takes: one m-tile per warp, so that 4 warps make one 64-row wgmma tile. ``stage``: the
     tile is for the projection plan's attention stage (folded Q in, o out). ``warp_specialised``: the spec can take
-    the warp-specialised kernel (no mask, y = x + attention: KernelSpec checks), which sm_90's d-64 many_keys role
-    then gets."""
+    the warp-specialised kernel (no mask, y = x + attention: KernelSpec checks), which sm_90's d-64 many_keys and
+    many_keys_fine roles then get."""
+    if role == "many_keys_fine":
+        if not (warp_specialised and not stage and arch == 90 and head_dim == 64):
+            return tile_for("many_keys", head_dim, arch, stage, warp_specialised)  # the same kernel
+        # 96-key stages, four of them: Whisper prefill (Lk 1500, 16 stages of 96 or 12 of 128 keys) 162-163 us
+        # against the 128-key tile's 170-172 in the same calls on an H100; with Lk 2048 (22 stages against 16)
+        # 1266-1299 against 1243-1250, so it takes only lengths it pads no further (docs/PERF.md,
+        # thirty-eighth run): each head's first QK^T and last P V run outside the overlap, on smaller tiles here
+        return TileConfig(warps=8, m_tiles=1, block_n=FINE_KEYS, key_split=1, stages=4, wgmma=True, tma=True,
+                          producer=True)
     if role == "many_keys" and not (arch == 90 and head_dim == 64):
         return tile_for("long", head_dim, arch)  # only the sm_90 d-64 long tile has a many_keys variant
     if role == "many_keys" and warp_specialised and not stage:
@@ -309,12 +322,13 @@ def supported_grid(archs=ARCHS):
                     s = KernelSpec(dtype, d, "layer", True, True, True, "add", True, tile_for(role, d, arch), arch,
                                    True)
                     specs[s.key] = s  # roles that share a tile (d = 256) share the kernel
-                ws = tile_for("many_keys", d, arch, warp_specialised=True)
-                for s in ((KernelSpec(dtype, d, "layer", True, True, True, "none", False, ws, arch, True),
-                           KernelSpec(dtype, d, "rms", True, False, False, "none", False, ws, arch, False),
-                           KernelSpec(dtype, d, "layer", False, False, False, "none", False, ws, arch, False))
-                          if ws.producer else ()):  # the warp-specialised kernel takes no mask: each norm form
-                    specs[s.key] = s
+                for ws in dict.fromkeys(tile_for(r, d, arch, warp_specialised=True)
+                                        for r in ("many_keys", "many_keys_fine")):
+                    for s in ((KernelSpec(dtype, d, "layer", True, True, True, "none", False, ws, arch, True),
+                               KernelSpec(dtype, d, "rms", True, False, False, "none", False, ws, arch, False),
+                               KernelSpec(dtype, d, "layer", False, False, False, "none", False, ws, arch, False))
+                              if ws.producer else ()):  # the warp-specialised kernel takes no mask: each norm form
+                        specs[s.key] = s
                 base = tile_for("base", d, arch)
                 for s in (KernelSpec(dtype, d, "rms", True, False, False, "bool", False, base, arch, False),
                           KernelSpec(dtype, d, "layer", False, False, False, "add", False, base, arch, False),

@@ -3,10 +3,10 @@
     compute-sanitizer --tool memcheck  python tests/gpu/sanitize_kernels.py
     compute-sanitizer --tool racecheck python tests/gpu/sanitize_kernels.py
 
-Covers every tile role (short / base / long / many_keys / few_keys) of templates/pnca/ (kernel.cu and, on sm_90,
-kernel_ws.cu), the padded head dim (40), the largest (256), a bool and an additive mask, ragged lengths, rows whose
-mean is large against their spread (the exact statistics pass), one SM's worth of CTAs (several items each) and
-keys split between CTAs (decode at batch 1), so every code path of the template runs once;
+Covers every tile role (short / base / long / many_keys / many_keys_fine / few_keys) of templates/pnca/ (kernel.cu
+and, on sm_90, kernel_ws.cu), the padded head dim (40), the largest (256), a bool and an additive mask, ragged
+lengths, rows whose mean is large against their spread (the exact statistics pass), one SM's worth of CTAs (several
+items each) and keys split between CTAs (decode at batch 1), so every code path of the template runs once;
 then the projection plan's stage mode (folded Q in, o and its ones column out) once per role.
 """
 from __future__ import annotations
@@ -34,6 +34,7 @@ CASES = [  # (role, dtype, B, Lq, Lk, H, d, mask, mean of x in units of its std[
     # sm_90 without a mask: the warp-specialised kernel (kernel_ws.cu), one warpgroup past Lq, a last tile of 6 keys
     ("many_keys", torch.bfloat16, 1, 129, 1030, 2, 64, None, 0.0),
     ("many_keys", torch.float16, 2, 200, 300, 3, 64, None, 50.0, 1),  # many items per CTA: the rings wrap
+    ("many_keys_fine", torch.bfloat16, 2, 129, 1030, 3, 64, None, 0.0, 1),  # its 96-key stages, 4 of them
     ("few_keys", torch.bfloat16, 2, 140, 77, 3, 64, "add", 0.0),
     ("few_keys", torch.bfloat16, 1, 40, 77, 3, 64, "add", 50.0),
     ("few_keys", torch.float16, 1, 20, 80, 2, 40, None, 0.0),
@@ -61,7 +62,7 @@ def main() -> int:
         y = fusednorm.fused_pre_norm_cross_attn(x, k, v, g, b, 1e-5, *sm_count, mask=mask)
         torch.cuda.synchronize()
         assert launch.launch_count == before + 1
-        print(f"{role:8s} {str(dtype):15s} B={B} Lq={Lq} Lk={Lk} H={H} d={d} mask={mask_kind} mean={mean}: "
+        print(f"{role:14s} {str(dtype):15s} B={B} Lq={Lq} Lk={Lk} H={H} d={d} mask={mask_kind} mean={mean}: "
               f"sm_count={sm_count[0] if sm_count else None}: finite={bool(torch.isfinite(y).all())}")
     for role, B, Lq, Lk, H, d in (("short", 2, 1, 150, 2, 64), ("short", 1, 1, 700, 2, 64), ("base", 2, 70, 77, 2, 40),
                                   ("long", 1, 130, 300, 2, 64), ("few_keys", 2, 100, 77, 2, 64)):

@@ -502,7 +502,7 @@ def test_operand_layouts(role, d, monkeypatch, tile_set):
 
 
 @pytest.mark.skipif(_arch() != 90, reason="bulk tensor copies fill sm_90 stages only")
-@pytest.mark.parametrize("role", ["few_keys", "long", "many_keys", "base"])
+@pytest.mark.parametrize("role", ["few_keys", "long", "many_keys", "many_keys_fine", "base"])
 def test_bulk_copy_stages_match_the_16_byte_copies_bit_for_bit(role, monkeypatch):
     """The TMA-filled stages of the sm_90 wgmma tiles, and of d = 40's few-key tile (unpadded rows, mma.sync), give
     exactly what their 16-byte-copy twins give (same math in the same order): odd lengths, several batches (rows
@@ -531,23 +531,27 @@ def test_bulk_copy_stages_match_the_16_byte_copies_bit_for_bit(role, monkeypatch
 @pytest.mark.skipif(_arch() != 90, reason="the warp-specialised kernel runs on sm_90")
 def test_warp_specialised_kernel_runs_long_keys_without_a_mask():
     """From MANY_KEYS keys on, d = 64 without a mask runs kernel_ws.cu (a producer warpgroup filling the stages for
-    two consumer warpgroups). Against float64: each norm form and dtype, odd lengths (a consumer warpgroup wholly
-    past Lq at Lq 129, a last key tile of one key at Lk 1025), k/v as transposed views and broadcast over batch,
-    fp32 norm parameters, a negative scale; sm_count=1 (one CTA per SM working through every item, the rings'
-    phases wrapping many times) gives the same bits; the numerics flag fires on an injected NaN."""
+    two consumer warpgroups), in 96-key stages (the many_keys_fine tile) wherever they pad Lk no further than
+    128-key ones. Against float64: each norm form and dtype, odd lengths (a consumer warpgroup wholly past Lq at
+    Lq 129, a last key tile of one key at Lk 1057, of 98 keys in 128-key stages at Lk 1250), k/v as transposed views
+    and broadcast over batch, fp32 norm parameters, a negative scale; sm_count=1 (one CTA per SM working through
+    every item, the rings' phases wrapping many times) gives the same bits; the numerics flag fires on an injected
+    NaN."""
     gen = torch.Generator(device=DEV).manual_seed(int.from_bytes(os.urandom(4), "little"))
-    cases = ((torch.bfloat16, 2, 129, 1025, 4, "layer_affine", None), (torch.float16, 1, 448, 1500, 6, "rms", None),
-             (torch.bfloat16, 3, 200, 2048, 2, "layer_plain", None), (torch.float16, 2, 130, 1024, 3, "layer_affine",
+    cases = ((torch.bfloat16, 2, 129, 1057, 4, "layer_affine", None), (torch.float16, 1, 448, 1500, 6, "rms", None),
+             (torch.bfloat16, 3, 200, 2048, 2, "layer_plain", None), (torch.float16, 2, 130, 1250, 3, "layer_affine",
                                                                         -0.05))
     for dtype, B, Lq, Lk, H, norm_variant, scale in cases:
         check_case(dtype, B, Lq, Lk, H, 64, norm_variant, "none", gen, scale=scale)
-        assert launch.last_launched.endswith("wgtmaws_sm90"), launch.last_launched
+        fine = -(-Lk // 96) * 96 <= -(-Lk // 128) * 128
+        stages = "x96w8s4wgtmaws_sm90" if fine else "x128w8s3wgtmaws_sm90"
+        assert launch.last_launched.endswith(stages), launch.last_launched
     x, k, v, g, b, _ = make_inputs(torch.bfloat16, 3, 257, 1100, 5, 64, gen=gen)
     k = k[:1].expand(3, -1, -1, -1)  # one batch's keys for all three
     g32, b32 = g.float(), b.float()
     ref = reference64(x, k, v, g32, b32, None, "layer", 1e-5, None)
     y, y1 = (fused(x, k, v, g32, b32, None, "layer", sm_count=s) for s in (None, 1))
-    assert launch.last_launched.endswith("wgtmaws_sm90"), launch.last_launched
+    assert launch.last_launched.endswith("x96w8s4wgtmaws_sm90"), launch.last_launched
     assert rel_l2(y, ref) <= 2 * rel_l2(eager_block(x, k, v, g, b, None, "layer", 1e-5, None), ref) + 1e-7
     assert torch.equal(y, y1)
     bad_v = v.clone()

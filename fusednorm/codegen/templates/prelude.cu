@@ -187,6 +187,17 @@ FN_INLINE void pin_all(T (&r)[R][C]) {
 #pragma unroll
     for (int j = 0; j < C; ++j) pin(r[i][j]);
 }
+// An accumulator's rows g and g + 8 (elements 0-1 and 2-3 of each n-tile) times their online-softmax factors.
+template <int N>
+FN_INLINE void rescale(float (&o)[N][4], const float (&alpha)[2]) {
+#pragma unroll
+  for (int nt = 0; nt < N; ++nt) {
+    o[nt][0] *= alpha[0];
+    o[nt][1] *= alpha[0];
+    o[nt][2] *= alpha[1];
+    o[nt][3] *= alpha[1];
+  }
+}
 
 // ---- Hopper bulk tensor copies (TMA) and transaction barriers (sm_90; used only when USE_TMA) ----
 // One thread copies a whole box of a tensor into shared memory with one instruction, in the 128-byte-swizzle layout

@@ -16,8 +16,9 @@
 // for keys past Lk, and the scale's sign picks one of two copies of the consumer: inside the overlap ptxas turns
 // any branch into per-score predicates, which had cost 190 of the loop's 490 instructions. A basic-block boundary
 // keeps the P V's wait after the softmax (block_boundary: -1 to -3 % on Lk 2048, thirty-seventh run).
-// On an H100 (docs/PERF.md, thirty-sixth and thirty-seventh runs): Whisper prefill 164-174 µs against the long
-// tile's 215, the seed with Lk 2048 1250-1323 against 1715.
+// On an H100 (docs/PERF.md, thirty-sixth to thirty-eighth runs): Whisper prefill 162-163 µs in 96-key stages
+// (spec.tile_for's many_keys_fine) against the long tile's 215, the seed with Lk 2048 1243-1323 in 128-key stages
+// against 1715.
 
 static_assert(USE_WGMMA && USE_TMA && ROWSUM_IN_PV && HEAD_DIM == 64 && MASK_KIND == 0 && MASK_ELEM_BYTES > 0 &&
                   NEEDS_X_SLICE && !Q_FROM_QRAW && !WRITE_O && !GROUPED_STATS && KEY_SPLIT == 1 && !ONE_TILE,
@@ -167,16 +168,6 @@ FN_INLINE void issue_output(float (&o)[O_ACC_NTILES][4], const u32 (&pa)[PV_KSTE
   for (int ks = 0; ks < PV_KSTEPS; ++ks)
     wgmma_output(o, pa[ks], desc_advance(v_desc, ks * 16 * 128), accumulate || ks > 0);
   wgmma_commit();
-}
-
-FN_INLINE void rescale(float (&o)[O_ACC_NTILES][4], const float (&alpha)[2]) {
-#pragma unroll
-  for (int nt = 0; nt < O_ACC_NTILES; ++nt) {
-    o[nt][0] *= alpha[0];
-    o[nt][1] *= alpha[0];
-    o[nt][2] *= alpha[1];
-    o[nt][3] *= alpha[1];
-  }
 }
 
 // One consumer warp (warp of the consumers, 0 .. WARPS - 1; its warpgroup issues the wgmma together). PRESCALE: the
