@@ -89,6 +89,8 @@ def main():
                     "('--only none' skips the tile candidates)")
     ap.add_argument("--chunks", default="", help="key-split tiles: runs of keys per head to time the chosen tile "
                     "with, e.g. 1,2,4,8 (1: no split between CTAs)")
+    ap.add_argument("--stat-groups", default="", help="column groups of the row statistics to time the chosen "
+                    "tile with, e.g. 1 (each item sums its rows whole, sharing nothing)")
     ap.add_argument("--form", default="noproj", choices=sorted(FORMS))
     args = ap.parse_args()
     form = FORMS[args.form]()
@@ -144,13 +146,16 @@ def main():
             time_forced(form, t, ref, "force_heads_per_item", [int(g) for g in args.groups.split(",")])
         if args.chunks:
             time_forced(form, t, ref, "force_kv_chunks", [int(c) for c in args.chunks.split(",")])
+        if args.stat_groups:
+            time_forced(form, t, ref, "force_stat_col_groups", [int(c) for c in args.stat_groups.split(",")])
         del t, ref
         torch.cuda.empty_cache()
 
 
 def time_forced(form, t, ref, knob, values):
     """The chosen tile as planned, then with ``select.<knob>`` (force_heads_per_item: G heads per item;
-    force_kv_chunks: runs of keys per head) pinned to each value."""
+    force_kv_chunks: runs of keys per head; force_stat_col_groups: the statistics' column groups) pinned to each
+    value."""
     for value in [None] + values:
         setattr(select, knob, value)
         codegen.forget_loaded_kernels()

@@ -423,11 +423,12 @@ def test_plan_covers_every_row_and_head():
         assert 1 <= p.grid <= min(p.items, 132 * 3)
 
 
-def test_statistics_are_shared_where_one_wave_holds_a_row_blocks_head_groups():
+def test_statistics_are_shared_where_one_wave_holds_a_row_blocks_head_groups(monkeypatch):
     """T5's decoder (D 1024, 8 head groups of one 128-row block, 256 items for 264 slots) sums each row's
     statistics in 8 column groups, one per item, and shares them, in a kernel that can (KernelSpec.grouped_stats).
     The groups follow the whole device: with sm_count bounding the grid the items are grouped otherwise or no
-    longer run at once, so each sums every group itself (the same bits)."""
+    longer run at once, so each sums every group itself (the same bits). The benchmarks' knob
+    (bench/sweep_tiles.py --stat-groups 1) sums each row whole instead."""
     t5 = ("long", tile_for("long", 64, 90), 32, 128, 512, 16, 64)
     full = select.plan_launch(*t5, sm_count=132, ctas_per_sm=2, grouped_stats=True)
     assert (full.head_groups, full.items, full.stat_col_groups, full.share_stats) == (8, 256, 8, True)
@@ -445,6 +446,9 @@ def test_statistics_are_shared_where_one_wave_holds_a_row_blocks_head_groups():
                  ("long", long, 2, 4096, 77, 10, 64)):
         p = select.plan_launch(*args, sm_count=132, ctas_per_sm=2, grouped_stats=True)
         assert (p.stat_col_groups, p.share_stats) == (1, False), args
+    monkeypatch.setattr(select, "force_stat_col_groups", 1)
+    p = select.plan_launch(*t5, sm_count=132, ctas_per_sm=2, grouped_stats=True)
+    assert (p.heads_per_item, p.items, p.stat_col_groups, p.share_stats) == (2, 256, 1, False)
 
 
 def test_only_projection_free_kernels_with_a_heads_keys_in_stages_group_their_statistics():

@@ -223,7 +223,8 @@ def run_kernel(x, k, v, gamma, beta, mask, norm, eps, scale, sm_count, check_num
                            f"{kernel.spec.tile.block_n} keys, got Lk = {Lk}")
     k = _fast_operand(k, "k", kernel.spec.tile.tma)
     v = _fast_operand(v, "v", kernel.spec.tile.tma)
-    pkey = (role, id(kernel), B, Lq, Lk, H, D, sms, _select.force_heads_per_item, _select.force_kv_chunks)
+    pkey = (role, id(kernel), B, Lq, Lk, H, D, sms, _select.force_heads_per_item, _select.force_kv_chunks,
+            _select.force_stat_col_groups)
     plan = _plans.get(pkey)
     if plan is None:
         if len(_plans) > 4096:
@@ -301,7 +302,7 @@ def call_key(x, k, v, gamma, beta, mask, norm, eps, scale, sm_count, check_numer
         None if beta is None else (beta.shape, beta.stride(), beta.dtype, beta.device, beta.data_ptr() % 16 == 0),
         None if mask is None else (mask.shape, mask.stride(), mask.dtype, mask.device, mask.data_ptr() % 16 == 0),
         norm, eps, scale, sm_count, check_numerics, _current_device(), _select.force_role,
-        _select.force_heads_per_item, _select.force_kv_chunks,
+        _select.force_heads_per_item, _select.force_kv_chunks, _select.force_stat_col_groups,
     )
 
 

@@ -52,6 +52,7 @@ def tile_role(q_len: int, kv_len: int, batch: int = 1, heads: int = 1, sm_count:
 
 force_heads_per_item: int | None = None  # pins G (benchmarks compare the splits with it)
 force_kv_chunks: int | None = None  # pins the runs of keys per head of the key-split tiles (benchmarks, as above)
+force_stat_col_groups: int | None = None  # pins the statistics' column groups (1: each row whole; as above)
 
 
 @dataclass(frozen=True)
@@ -120,6 +121,8 @@ def plan_launch(role: str, tile: TileConfig, batch: int, q_len: int, kv_len: int
     if device_sms is not None and device_sms != sm_count:
         full = plan_launch(role, tile, batch, q_len, kv_len, heads, head_dim, device_sms, ctas_per_sm)
     col_groups = grouped_statistics(full, model_dim or heads * head_dim)
+    if force_stat_col_groups is not None:
+        col_groups = max(1, force_stat_col_groups)
     share = col_groups > 1 and groups == col_groups and items <= grid
     return replace(plan, stat_col_groups=col_groups, share_stats=share)
 

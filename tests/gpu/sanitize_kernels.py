@@ -5,9 +5,10 @@
 
 Covers every tile role (short / base / long / many_keys / many_keys_fine / few_keys) of templates/pnca/ (kernel.cu
 and, on sm_90, kernel_ws.cu), the padded head dim (40), the largest (256), a bool and an additive mask, ragged
-lengths, rows whose mean is large against their spread (the exact statistics pass), one SM's worth of CTAs (several
-items each) and keys split between CTAs (decode at batch 1), so every code path of the template runs once;
-then the projection plan's stage mode (folded Q in, o and its ones column out) once per role.
+lengths, rows whose mean is large against their spread (the exact statistics pass), statistics shared between a row
+block's items, one SM's worth of CTAs (several items each) and keys split between CTAs (decode at batch 1), so every
+code path of the template runs once; then the projection plan's stage mode (folded Q in, o and its ones column out)
+once per role.
 """
 from __future__ import annotations
 
@@ -35,6 +36,9 @@ CASES = [  # (role, dtype, B, Lq, Lk, H, d, mask, mean of x in units of its std[
     ("many_keys", torch.bfloat16, 1, 129, 1030, 2, 64, None, 0.0),
     ("many_keys", torch.float16, 2, 200, 300, 3, 64, None, 50.0, 1),  # many items per CTA: the rings wrap
     ("many_keys_fine", torch.bfloat16, 2, 129, 1030, 3, 64, None, 0.0, 1),  # its 96-key stages, 4 of them
+    # D = 768 in 12 heads, 24 items at once: each sums one column group of its rows' statistics and takes the other
+    # items' (statistics.cu)
+    ("long", torch.bfloat16, 1, 130, 300, 12, 64, "bool", 0.0),
     ("few_keys", torch.bfloat16, 2, 140, 77, 3, 64, "add", 0.0),
     ("few_keys", torch.bfloat16, 1, 40, 77, 3, 64, "add", 50.0),
     ("few_keys", torch.float16, 1, 20, 80, 2, 40, None, 0.0),
