@@ -5,8 +5,9 @@
 For each shape: the role the run-time choice picks, then each candidate TileConfig swapped in for that role
 (compiled on the spot), with its GPU time (CUDA-graph replay median) and its difference from eager. Use it to
 choose `spec.tile_for`; the chosen table is what CI compiles. With ``--form proj`` the block is the projection plan
-and the tiles are its attention stage's: the planned stage first, then, up to FEW_KEYS keys, the few_keys role's
-candidates forced (the stage takes that role only where its items fill the GPU 4 times over).
+and the tiles are its attention stage's: the planned stage first, then the other tiles of the long and many_keys
+roles forced (over FEW_KEYS keys), or up to FEW_KEYS keys the few_keys role's candidates forced (the stage takes
+that role only where its items fill the GPU 4 times over).
 """
 from __future__ import annotations
 
@@ -72,6 +73,8 @@ CANDIDATES["many_keys"] = CANDIDATES["long"] + [  # the same tiles, chosen from 
     (T(8, 1, 128, 1, 3, **WS), 1), (T(8, 1, 128, 1, 4, **WS), 1), (T(8, 1, 96, 1, 3, **WS), 1),
     (T(8, 1, 96, 1, 4, **WS), 1), (T(8, 1, 80, 1, 4, **WS), 1)]
 CANDIDATES["many_keys_fine"] = CANDIDATES["many_keys"]
+# below MANY_KEYS keys too (T5's 512), the warp-specialised kernel in 128- and 64-key stages
+CANDIDATES["long"] = CANDIDATES["long"] + [(T(8, 1, 128, 1, 3, **WS), 1), (T(8, 1, 64, 1, 4, **WS), 1)]
 DEFAULT_SHAPES = "seed,sdxl64,sd15_64,t5_dec,whisper_dec,whisper_pre"
 SHAPES = {**SHAPES, "base_mid": (16, 96, 1024, 16, 300),  # sweep only: a shape the "base" role takes
           "pre_many": (16, 1792, 1280, 20, 1500),  # many_keys or long: Whisper prefill's keys, 4x its rows,
@@ -107,12 +110,24 @@ def main():
         t = form.make_inputs(shape, torch.bfloat16, gen)
         ref = form.eager(**t)
         stage = args.form == "proj"
-        ws = not stage and original("many_keys", d, arch, warp_specialised=True).producer
+        ws = original("many_keys", d, arch, stage, warp_specialised=True).producer
         role = select.tile_role(Lq, Lk, B, H, sms, stage=stage, many_keys_ws=ws)
         print(f"{name} {shape} role={role} default={original(role, d, arch, stage, ws).token}", flush=True)
         if stage:
             print(f"  planned stage    {graph_time_us(form.fused, [t], min_total_s=0.1):8.1f} us  rel diff "
                   f"{rel_diff(form.fused(**t), ref):.1e}", flush=True)
+            seen = {original(role, d, arch, stage, ws)}
+            for other in ("long", "many_keys", "many_keys_fine") if Lk > spec_mod.FEW_KEYS and Lq > 16 else ():
+                tile = original(other, d, arch, stage, ws)  # the stage's other tiles for many keys, forced
+                if tile in seen:
+                    continue
+                seen.add(tile)
+                select.force_role = other
+                codegen.forget_loaded_kernels()
+                print(f"  forced {other:14s} {tile.token:20s} {graph_time_us(form.fused, [t], min_total_s=0.1):8.1f} "
+                      f"us  rel diff {rel_diff(form.fused(**t), ref):.1e}", flush=True)
+                select.force_role = None
+                codegen.forget_loaded_kernels()
             if Lk > spec_mod.FEW_KEYS:
                 continue
             role = select.force_role = "few_keys"

@@ -1,6 +1,7 @@
 """Every spec of the supported grid compiles with NVRTC for sm_80 and sm_90 with no spills (CPU only)."""
 from __future__ import annotations
 
+import itertools
 import os
 import re
 import sys
@@ -154,7 +155,7 @@ def test_role_follows_lengths():
     assert select.tile_role(448, 1500, 16, 20) == "many_keys"           # Whisper prefill
     assert select.tile_role(1792, 1500, 16, 20) == "many_keys"          # the same keys, 4x the query rows
     assert select.tile_role(2048, 2048, 32, 16) == "long"               # Lk 2048: whole 128-key stages
-    assert select.tile_role(448, 1500, 16, 20, stage=True) == "long"  # the plan's stage: no many_keys
+    assert select.tile_role(448, 1500, 16, 20, stage=True) == "long"  # the stage: many_keys only warp-specialised
     assert select.tile_role(448, 1023, 16, 20) == "long"                # below MANY_KEYS
     assert select.tile_role(128, 512, 32, 16) == "long"                 # T5 decoder block: long keys
     assert select.tile_role(300, 81, 2, 8) == "base"                    # a few short items
@@ -184,8 +185,8 @@ def test_many_keys_tile_is_the_long_tile_except_on_sm90_with_small_heads():
 
 
 def test_warp_specialised_tile_is_sm90_many_keys_for_plain_blocks():
-    """many_keys on sm_90 with d = 64 is kernel_ws.cu's tile wherever the spec can take it (no mask, no projection
-    stage): a producer warpgroup and two consumer warpgroups (384 threads), three stages of 128 keys, 1 CTA per SM,
+    """many_keys on sm_90 with d = 64 is kernel_ws.cu's tile wherever the spec can take it (no mask; the plan's stage
+    too): a producer warpgroup and two consumer warpgroups (384 threads), three stages of 128 keys, 1 CTA per SM,
     every row's statistics summed whole (its consumers may hold no CTA barrier); it takes every Lk from MANY_KEYS
     on, in four stages of 96 keys (many_keys_fine) wherever those pad Lk no further. Both compile without spills and
     with every wgmma left asynchronous (ptxas warns when it serializes them)."""
@@ -193,14 +194,15 @@ def test_warp_specialised_tile_is_sm90_many_keys_for_plain_blocks():
 
     ws = tile_for("many_keys", 64, 90, warp_specialised=True)
     assert ws.producer and ws.token == "t128x128w8s3wgtmaws" and ws.threads == 384
-    assert tile_for("many_keys", 64, 90) == tile_for("many_keys", 64, 90, stage=True, warp_specialised=True)
+    assert tile_for("many_keys", 64, 90, stage=True, warp_specialised=True) == ws
+    assert not tile_for("many_keys", 64, 90, stage=True).producer  # (a mask)
     assert not any(tile_for(r, d, a, warp_specialised=True).producer for r in TILE_ROLES for d in HEAD_DIMS
                    for a in (80, 90) if (r, d, a) not in (("many_keys", 64, 90), ("many_keys_fine", 64, 90)))
     fine = tile_for("many_keys_fine", 64, 90, warp_specialised=True)
     assert fine.token == "t128x96w8s4wgtmaws" and fine.block_n == FINE_KEYS
     assert all(tile_for("many_keys_fine", d, a, stage, w) == tile_for("many_keys", d, a, stage, w)
                for d in HEAD_DIMS for a in (80, 90) for stage in (False, True) for w in (False, True)
-               if (d, a, stage, w) != (64, 90, False, True))
+               if (d, a, w) != (64, 90, True))
     for tile in (ws, fine):
         spec = KernelSpec("fp16", 64, "layer", True, True, True, "none", False, tile, 90, True)
         assert spec.min_ctas_per_sm == 1 and not spec.grouped_stats and spec.rowsum_in_pv
@@ -210,16 +212,19 @@ def test_warp_specialised_tile_is_sm90_many_keys_for_plain_blocks():
         _, usage, log_text = compile_to_cubin(src, spec.key, 90)
         assert (usage.spill_stores, usage.spill_loads) == (0, 0)
         assert not any(code in log_text for code in ("C7513", "C7514", "C7517")), log_text
-    for other in (dict(mask="bool"), dict(head_dim=128), dict(write_o=True), dict(q_from_qraw=True)):
+    for other in (dict(mask="bool"), dict(head_dim=128)):
         with pytest.raises(ValueError, match="warp-specialised"):
             replace(spec, **other)
+    stage = replace(spec, has_gamma=False, has_beta=False, affine_f32=False, q_from_qraw=True, write_o=True)
+    assert stage.key in {s.key for s in supported_grid()}  # compiled (and checked for spills) in CI
     assert select.tile_role(2048, 2048, 32, 16, many_keys_ws=True) == "many_keys"  # whole 128-key stages too
     assert select.tile_role(448, 1250, 16, 20, many_keys_ws=True) == "many_keys"  # 14 stages of 96 would pad more
     assert select.tile_role(448, 1500, 16, 20, many_keys_ws=True) == "many_keys_fine"  # 16 of 96 keys, or 12 of 128
     assert select.tile_role(448, 1024, 16, 20, many_keys_ws=True) == "many_keys"
     assert select.tile_role(448, 1057, 16, 20, many_keys_ws=True) == "many_keys_fine"
     assert select.tile_role(448, 1023, 16, 20, many_keys_ws=True) == "long"
-    assert select.tile_role(448, 1500, 16, 20, stage=True, many_keys_ws=True) == "long"
+    assert select.tile_role(448, 1500, 16, 20, stage=True, many_keys_ws=True) == "many_keys_fine"  # the plan's
+    assert select.tile_role(2048, 2048, 32, 16, stage=True, many_keys_ws=True) == "many_keys"
 
 
 def test_warp_specialised_exponentials_run_while_the_p_v_does():
@@ -227,20 +232,21 @@ def test_warp_specialised_exponentials_run_while_the_p_v_does():
     so that the tensor cores and the exponentials run at once. ptxas hoists that wait into the row maximum's first
     stall unless a basic-block boundary holds it (block_boundary): the SASS then had no exponential between them.
     Read from the machine code: every overlap (inner and last tile, both signs of the scale) holds most of the
-    tile's exponentials per lane (64 with 128-key stages, 48 with 96)."""
+    tile's exponentials per lane (64 with 128-key stages, 48 with 96), in the plan's stage too (q from qraw)."""
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
     from sass_census import disassemble, find_nvdisasm
 
     nvdisasm = find_nvdisasm()
     assert nvdisasm is not None, "the test extra installs nvidia-cuda-nvdisasm"
-    for role in ("many_keys", "many_keys_fine"):
+    for role, stage in itertools.product(("many_keys", "many_keys_fine"), (False, True)):
         ws = tile_for(role, 64, 90, warp_specialised=True)
-        spec = KernelSpec("bf16", 64, "layer", True, True, False, "none", False, ws, 90, False)
+        spec = KernelSpec("bf16", 64, "layer", not stage, not stage, False, "none", False, ws, 90, False,
+                          q_from_qraw=stage, write_o=stage)
         sass = disassemble(compile_to_cubin(render(spec), spec.key, 90)[0], nvdisasm)
         overlaps = re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x1 ;(.*?)WARPGROUP\.DEPBAR\.LE gsb0, 0x0 ;", sass, re.S)
         exponentials = [block.count("MUFU.EX2") for block in overlaps]
         per_lane = ws.block_n // 2  # 16 rows by block_n keys over 32 lanes
-        assert len(exponentials) == 4 and min(exponentials) >= per_lane * 3 // 4, (role, exponentials)
+        assert len(exponentials) == 4 and min(exponentials) >= per_lane * 3 // 4, (role, stage, exponentials)
 
 
 def test_sm90_long_tile_for_small_heads_takes_128_rows_but_the_plan_stage_keeps_64():

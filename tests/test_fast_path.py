@@ -716,5 +716,6 @@ def test_the_prebuilt_plan_stages_are_the_ones_the_plan_asks_for(gpu):
     asked = set()
     for (dtype, d, norm, has_g, has_b, affine_f32, kind, mask_f32, arch, check, _, qraw, write_o) in gpu.families:
         asked |= {KernelSpec(dtype, d, norm, has_g, has_b, affine_f32, kind, mask_f32,
-                             tile_for(r, d, arch, stage=qraw), arch, check, qraw, write_o).key for r in TILE_ROLES}
+                             tile_for(r, d, arch, stage=qraw, warp_specialised=kind == "none"), arch, check, qraw,
+                             write_o).key for r in TILE_ROLES}
     assert len(gpu.families) == 18 and asked <= listed, sorted(asked - listed)[:3]

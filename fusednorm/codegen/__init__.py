@@ -90,9 +90,9 @@ def _family(dtype: str, d: int, norm: str, has_gamma: bool, has_beta: bool, affi
     with _family_lock:
         fam = _families.get(fkey)
         if fam is None:
-            plain_block = mask_kind == "none" and not (q_from_qraw or write_o)  # what kernel_ws.cu takes
+            no_mask = mask_kind == "none"  # what kernel_ws.cu takes
             specs = {role: KernelSpec(dtype, d, norm, has_gamma, has_beta, affine_f32, mask_kind, mask_f32,
-                                      tile_for(role, d, arch, stage=q_from_qraw, warp_specialised=plain_block),
+                                      tile_for(role, d, arch, stage=q_from_qraw, warp_specialised=no_mask),
                                       arch, check, q_from_qraw, write_o)
                      for role in TILE_ROLES}
             with ThreadPoolExecutor(len(specs)) as pool:

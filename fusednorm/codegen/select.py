@@ -29,9 +29,11 @@ def tile_role(q_len: int, kv_len: int, batch: int = 1, heads: int = 1, sm_count:
     of the long tile's 128 keys (Lk 512: +12 %, Lk 2048: +9 and +10 %; 2026-12-03): those keep the long tile.
     Why 1500 favours the third CTA is not established; other lengths were not measured. The stage keeps the long
     tile there, whose registers the folded Q needs. ``many_keys_ws``: the family's many_keys tile is the
-    warp-specialised one (sm_90, d = 64, no mask: spec.tile_for), which takes every Lk from MANY_KEYS on: with
-    stages of FINE_KEYS keys ("many_keys_fine") wherever those pad Lk no further than 128-key stages (Whisper
-    prefill -4.6 %; Lk 2048, which they would pad by 64 keys, +3 %: docs/PERF.md, thirty-eighth run).
+    warp-specialised one (sm_90, d = 64, no mask: spec.tile_for), which takes every Lk from MANY_KEYS on, in the
+    stage too (its consumers have the registers: Whisper prefill's plan 274.8 against 323.0 us with the long tile,
+    H100, docs/PERF.md fortieth run), with stages of FINE_KEYS keys ("many_keys_fine") wherever those pad Lk no
+    further than 128-key stages (Whisper prefill -4.6 %; Lk 2048, which they would pad by 64 keys, +3 %:
+    docs/PERF.md, thirty-eighth run).
     """
     if force_role is not None:  # few_keys cannot take more keys than its one stage holds
         return "base" if force_role == "few_keys" and kv_len > FEW_KEYS else force_role
@@ -43,7 +45,7 @@ def tile_role(q_len: int, kv_len: int, batch: int = 1, heads: int = 1, sm_count:
     if q_len >= 128 and (kv_len >= 256 or items_128 >= 8 * sm_count):
         # from MANY_KEYS keys on, unless the long tile's 128-key stages hold them exactly
         many = kv_len >= MANY_KEYS and (kv_len % 128 != 0 or many_keys_ws)
-        if stage or not many:
+        if not many or (stage and not many_keys_ws):
             return "long"
         fine = many_keys_ws and _cdiv(kv_len, FINE_KEYS) * FINE_KEYS <= _cdiv(kv_len, 128) * 128
         return "many_keys_fine" if fine else "many_keys"

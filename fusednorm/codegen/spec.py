@@ -95,10 +95,10 @@ def tile_for(role: str, head_dim: int, arch: int = 80, stage: bool = False,
     every one fits the 163 KB an sm_80 CTA may use). On sm_90 the roles in WGMMA_ROLES run on the warpgroup mma
     for the head dims it takes: one m-tile per warp, so that 4 warps make one 64-row wgmma tile. ``stage``: the
     tile is for the projection plan's attention stage (folded Q in, o out). ``warp_specialised``: the spec can take
-    the warp-specialised kernel (no mask, y = x + attention: KernelSpec checks), which sm_90's d-64 many_keys and
-    many_keys_fine roles then get."""
+    the warp-specialised kernel (no mask: KernelSpec checks), which sm_90's d-64 many_keys and many_keys_fine roles
+    then get, in the plan's stage too."""
     if role == "many_keys_fine":
-        if not (warp_specialised and not stage and arch == 90 and head_dim == 64):
+        if not (warp_specialised and arch == 90 and head_dim == 64):
             return tile_for("many_keys", head_dim, arch, stage, warp_specialised)  # the same kernel
         # 96-key stages, four of them: Whisper prefill (Lk 1500, 16 stages of 96 or 12 of 128 keys) 162-163 us
         # against the 128-key tile's 170-172 in the same calls on an H100; with Lk 2048 (22 stages against 16)
@@ -108,7 +108,7 @@ def tile_for(role: str, head_dim: int, arch: int = 80, stage: bool = False,
                           producer=True)
     if role == "many_keys" and not (arch == 90 and head_dim == 64):
         return tile_for("long", head_dim, arch)  # only the sm_90 d-64 long tile has a many_keys variant
-    if role == "many_keys" and warp_specialised and not stage:
+    if role == "many_keys" and warp_specialised:
         # warp-specialised (kernel_ws.cu): a producer warpgroup and two consumer warpgroups of 64 rows sharing
         # three 128-key stages, 1 CTA per SM, FlashAttention-3's overlap of softmax and P V. Against the long tile
         # in one run (H100): Whisper prefill 166-174 against 215-217 us, Lk 2048 1286-1296 against 1715-1721
@@ -195,11 +195,9 @@ class KernelSpec:
             raise ValueError(f"fusednorm: tile {t.token} fills its stages by bulk tensor copies, which only the "
                              f"warpgroup-mma kernels and, on sm_90, head dims of an odd number of 16-byte chunks "
                              f"(d = 40) without a key split do")
-        if t.producer and not (t.wgmma and t.tma and t.warps == 8 and self.head_dim == 64 and self.mask == "none"
-                               and not self.q_from_qraw and not self.write_o):
+        if t.producer and not (t.wgmma and t.tma and t.warps == 8 and self.head_dim == 64 and self.mask == "none"):
             raise ValueError(f"fusednorm: tile {t.token} is warp-specialised (templates/pnca/kernel_ws.cu), which "
-                             f"takes sm_90 wgmma with bulk copies, 8 consumer warps, head dim 64, no mask and no "
-                             f"projection stage")
+                             f"takes sm_90 wgmma with bulk copies, 8 consumer warps, head dim 64 and no mask")
         # canonical forms, so that equal code means an equal key
         if self.q_from_qraw and (self.has_gamma or self.has_beta):  # folded into Wq': the kernel never reads them
             object.__setattr__(self, "has_gamma", False)
@@ -326,7 +324,14 @@ def supported_grid(archs=ARCHS):
                                         for r in ("many_keys", "many_keys_fine")):
                     for s in ((KernelSpec(dtype, d, "layer", True, True, True, "none", False, ws, arch, True),
                                KernelSpec(dtype, d, "rms", True, False, False, "none", False, ws, arch, False),
-                               KernelSpec(dtype, d, "layer", False, False, False, "none", False, ws, arch, False))
+                               KernelSpec(dtype, d, "layer", False, False, False, "none", False, ws, arch, False),
+                               # the plan's stage: folded Q in and o out, each alone
+                               KernelSpec(dtype, d, "layer", False, False, False, "none", False, ws, arch, True,
+                                          q_from_qraw=True, write_o=True),
+                               KernelSpec(dtype, d, "rms", False, False, False, "none", False, ws, arch, False,
+                                          q_from_qraw=True),
+                               KernelSpec(dtype, d, "layer", True, True, False, "none", False, ws, arch, False,
+                                          write_o=True))
                               if ws.producer else ()):  # the warp-specialised kernel takes no mask: each norm form
                         specs[s.key] = s
                 base = tile_for("base", d, arch)

@@ -66,8 +66,9 @@ def stage_family_specs(arch, dtype, d, norm, mask, q_from_qraw, write_o):
     come in x's dtype."""
     has_gamma = not q_from_qraw
     has_beta = not q_from_qraw and norm == "layer"
-    return [KernelSpec(dtype, d, norm, has_gamma, has_beta, False, mask, False, tile_for(r, d, arch, stage=q_from_qraw),
-                       arch, False, q_from_qraw, write_o) for r in TILE_ROLES]
+    return [KernelSpec(dtype, d, norm, has_gamma, has_beta, False, mask, False,
+                       tile_for(r, d, arch, stage=q_from_qraw, warp_specialised=mask == "none"), arch, False,
+                       q_from_qraw, write_o) for r in TILE_ROLES]
 
 
 def plan_test_specs(arch: int) -> list[KernelSpec]:

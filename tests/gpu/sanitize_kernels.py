@@ -8,7 +8,7 @@ and, on sm_90, kernel_ws.cu), the padded head dim (40), the largest (256), a boo
 lengths, rows whose mean is large against their spread (the exact statistics pass), statistics shared between a row
 block's items, one SM's worth of CTAs (several items each) and keys split between CTAs (decode at batch 1), so every
 code path of the template runs once; then the projection plan's stage mode (folded Q in, o and its ones column out)
-once per role.
+once per role (the warp-specialised kernel's too).
 """
 from __future__ import annotations
 
@@ -69,7 +69,8 @@ def main() -> int:
         print(f"{role:14s} {str(dtype):15s} B={B} Lq={Lq} Lk={Lk} H={H} d={d} mask={mask_kind} mean={mean}: "
               f"sm_count={sm_count[0] if sm_count else None}: finite={bool(torch.isfinite(y).all())}")
     for role, B, Lq, Lk, H, d in (("short", 2, 1, 150, 2, 64), ("short", 1, 1, 700, 2, 64), ("base", 2, 70, 77, 2, 40),
-                                  ("long", 1, 130, 300, 2, 64), ("few_keys", 2, 100, 77, 2, 64)):
+                                  ("long", 1, 130, 300, 2, 64), ("few_keys", 2, 100, 77, 2, 64),
+                                  ("many_keys_fine", 2, 150, 1030, 2, 64)):  # sm_90: kernel_ws.cu, a warpgroup idle
         select.force_role = role
         D = H * d
         r = lambda *s: torch.randn(*s, device="cuda", dtype=torch.bfloat16)  # noqa: E731

@@ -114,6 +114,21 @@ def test_stage_takes_the_few_keys_tile_where_its_items_fill_the_gpu(d, H, B, Lq,
             assert ran_few_keys
 
 
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("variant,norm,Lq,Lk,mean", [("full", "layer", 200, 1100, 0.3), ("full", "rms", 150, 2048, 0.3),
+                                                     ("wq_only", "layer", 200, 1500, 40.0),
+                                                     ("wo_only", "rms", 150, 1100, 0.3)])
+def test_stage_takes_the_warp_specialised_tile_from_many_keys_on(dtype, variant, norm, Lq, Lk, mean):
+    """From 1024 keys on, with d = 64 and no mask, the stage runs the warp-specialised kernel on sm_90 (q from qraw
+    and o out, or either alone), in 96-key stages (Lk 1100, 1500) or 128-key ones (Lk 2048). Lq 200 leaves a
+    warpgroup of the second row block with 8 rows, Lq 150 one with none; mean 40 is where folding cancels."""
+    gen = torch.Generator(device=DEV).manual_seed(Lq * Lk)
+    check(make(DTYPES[dtype], variant, norm, "none", B=2, Lq=Lq, H=4, d=64, Lk=Lk, mean=mean, gen=gen), norm)
+    if torch.cuda.get_device_capability() == (9, 0):
+        tile = "t128x128w8s3wgtmaws" if Lk % 128 == 0 else "t128x96w8s4wgtmaws"
+        assert tile in launch.last_launched, launch.last_launched
+
+
 @pytest.mark.parametrize("mean", [0.3, 40.0])
 def test_stage_sums_each_row_whole_where_the_projection_free_kernel_would_share(mean, monkeypatch):
     """D = 1024 in 16 heads, one wave: the projection-free kernel would share its rows' statistics by column groups,

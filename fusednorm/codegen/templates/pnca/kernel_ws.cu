@@ -1,5 +1,7 @@
 // The pnca kernel in warp-specialised form (TileConfig.producer: sm_90, d = 64, no mask, the many_keys role),
 // rendered instead of kernel.cu. Steps 1, 2 and 4 are the same functions as there; what differs is who does what.
+// The projection plan's stage takes it too (Q_FROM_QRAW, WRITE_O): q from qraw, o out, and no x slice to copy (its
+// slots then only stage the o stores).
 //
 // A CTA (one per SM, persistent) is one producer warpgroup and two consumer warpgroups of 64 query rows,
 // together BLOCK_M rows of one item at a time. The producer's first thread fills a ring of STAGES K/V stages and a
@@ -21,8 +23,8 @@
 // against 1715.
 
 static_assert(USE_WGMMA && USE_TMA && ROWSUM_IN_PV && HEAD_DIM == 64 && MASK_KIND == 0 && MASK_ELEM_BYTES > 0 &&
-                  NEEDS_X_SLICE && !Q_FROM_QRAW && !WRITE_O && !GROUPED_STATS && KEY_SPLIT == 1 && !ONE_TILE,
-              "the warp-specialised kernel: sm_90 wgmma and bulk copies, d = 64, no mask, projection-free");
+                  !GROUPED_STATS && KEY_SPLIT == 1 && !ONE_TILE,
+              "the warp-specialised kernel: sm_90 wgmma and bulk copies, d = 64, no mask");
 constexpr int CTA_THREADS = THREADS + 128;  // THREADS (layout.cu) counts the consumer warps
 // setmaxnreg counts: 128 x PRODUCER_REGS + THREADS x CONSUMER_REGS <= 65536 registers of the SM
 constexpr int PRODUCER_REGS = 40, CONSUMER_REGS = 232;
@@ -75,9 +77,13 @@ FN_INLINE void produce(const Params& p, const TmaMaps& maps, WsBars bars) {
     const WsItem it = ws_item(p, item);
     for (int h = it.head0; h < it.head_end; ++h, xs.next()) {
       mbar_wait(bars.x_empty(xs.slot), xs.phase ^ 1u);  // the slot's last head is stored (a new slot: passes)
-      mbar_arrive_expect_tx(bars.x_full(xs.slot), X_SLOT_BYTES);
-      tma_load_3d(smem_addr(smem + OFF_X + xs.slot * X_SLOT_BYTES), &maps.x, h * HEAD_DIM, it.row_block * BLOCK_M,
-                  it.b, bars.x_full(xs.slot));
+      if constexpr (NEEDS_X_SLICE) {
+        mbar_arrive_expect_tx(bars.x_full(xs.slot), X_SLOT_BYTES);
+        tma_load_3d(smem_addr(smem + OFF_X + xs.slot * X_SLOT_BYTES), &maps.x, h * HEAD_DIM, it.row_block * BLOCK_M,
+                    it.b, bars.x_full(xs.slot));
+      } else {  // the plan's stage (q from qraw, o out): the slot only stages the o store
+        mbar_arrive(bars.x_full(xs.slot));
+      }
       const int kh = p.k_sh != 0 ? h : 0, kb = p.k_sb != 0 ? it.b : 0;  // a broadcast dim has size 1 in its map
       const int vh = p.v_sh != 0 ? h : 0, vb = p.v_sb != 0 ? it.b : 0;
       for (int t = 0; t < key_tiles; ++t, kv.next()) {
@@ -134,10 +140,13 @@ FN_INLINE void softmax_tile(float (&s)[S_NTILES][4], float (&m)[2], float (&alph
 // Ends ptxas's basic block here. ptxas schedules each block on its own, and inside one it hoists a wgmma wait
 // into the first stall it finds: in the overlap below that is the row maximum's shuffle, which left every
 // exponential after the P V's wait (the warpgroup's P V then overlapped only the maximum). The branch is never
-// taken (Lk >= 1); the fence only gives its block a body, so that ptxas keeps it. tests/test_codegen_compile.py
-// reads the exponentials' place from the machine code.
+// taken (Lk >= 1); the fence only gives its block a body, so that ptxas keeps it. The test reads Lk through an
+// opaque move each time, or the compiler moves it out of the loop (the plan's stage had two copies of the loop,
+// neither with the boundary). tests/test_codegen_compile.py reads the exponentials' place from the machine code.
 FN_INLINE void block_boundary(int kv_len) {
-  if (kv_len < 0) asm volatile("membar.cta;\n" ::: "memory");
+  int opaque;
+  asm volatile("mov.b32 %0, %1;\n" : "=r"(opaque) : "r"(kv_len));
+  if (opaque < 0) asm volatile("membar.cta;\n" ::: "memory");
 }
 
 // P as the A operand of O += P V: k-step ks holds keys 16 ks .. 16 ks + 15.
@@ -197,10 +206,12 @@ FN_INLINE void consume(const Params& p, const TmaMaps& maps, WsBars bars, int wa
     const bool warp_rows = row0 < p.q_len;
     // a warpgroup wholly past Lq only passes the stages on; one with rows issues its wgmma with all four warps
     const bool group_rows = it.row_block * BLOCK_M + (warp & ~3) * ROWS_PER_WARP < p.q_len;
-    const u16* x_batch = p.x + (long long)it.b * p.q_len * p.model_dim;
+    const long long batch_off = (long long)it.b * p.q_len * p.model_dim;
     u16* y_batch = p.y + (long long)it.b * p.q_len * p.y_ld;
+    // the plan's stage copies x for the out GEMM, in the items of the first head group (the others hold the same rows)
+    u16* copy_batch = WRITE_O && p.x_copy != nullptr && it.head0 == 0 ? p.x_copy + batch_off : nullptr;
     __syncwarp();  // every lane has read the last item's statistics (a warp past Lq stores no y: no other sync)
-    if (warp_rows) row_statistics(p, x_batch, nullptr, row0, row_mean, row_rstd, stat_parts, warp, lane);
+    if (warp_rows) row_statistics(p, p.x + batch_off, copy_batch, row0, row_mean, row_rstd, stat_parts, warp, lane);
     for (int h = it.head0; h < it.head_end; ++h, xs.next()) {
       u16* x_warp = reinterpret_cast<u16*>(smem + OFF_X + xs.slot * X_SLOT_BYTES) + warp * ROWS_PER_WARP * X_ROW_ELEMS;
       if (!group_rows) {
@@ -220,7 +231,8 @@ FN_INLINE void consume(const Params& p, const TmaMaps& maps, WsBars bars, int wa
       cp_async_wait<0>();
       __syncwarp();
       u32 qf[1][QK_KSTEPS][4];
-      const QSource src = q_source(p, row0, h * HEAD_DIM, row_mean, row_rstd, x_warp, nullptr, affine_slot, lane);
+      const float* q_rows = Q_FROM_QRAW ? p.qraw + ((long long)it.b * p.q_len + row0) * p.q_ld : nullptr;
+      const QSource src = q_source(p, row0, h * HEAD_DIM, row_mean, row_rstd, x_warp, q_rows, affine_slot, lane);
       q_fragments(p, src, nullptr, qf, lane);
 
       float s[S_NTILES][4], o[1][O_ACC_NTILES][4], m[2], alpha[2];
