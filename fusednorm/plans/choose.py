@@ -15,9 +15,8 @@ A model that is host-bound pays that in full and gains nothing from the GPU time
 (docs/PERF.md §3); an SD-1.5 UNet at batch 2 once lost 23 % the same way. The plan's host time must also stay
 below its own GPU time, or the host falls behind the GPU on every such block (Whisper-base's decoder: 157 µs of host
 for 98 µs of GPU, at 0.71 of the compiler's host time, made the model 31 % slower per call). GPU times come from
-CUDA-graph replay,
-so neither side's host cost leaks into them. With option ``cudagraphs`` the model replays CUDA graphs, the plan's
-host cost is paid once at capture, and GPU time alone decides (one measurement serves both).
+CUDA-graph replay, so neither side's host cost leaks into them. With option ``cudagraphs`` the model replays CUDA
+graphs, the plan's host cost is paid once at capture, and GPU time alone decides (one measurement serves both).
 
 ``kernel="auto"`` (the default for projection-free blocks) takes the generated kernel without measuring where the
 block is memory-bound and big enough to fill the GPU, and measures where it is not. Memory-bound means at most
