@@ -7,7 +7,7 @@
 // together BLOCK_M rows of one item at a time. The producer's first thread fills a ring of STAGES K/V stages and a
 // ring of STAGES x-slice slots by bulk tensor copies, each guarded by a "full" mbarrier (the copies' bytes) and an
 // "empty" one (one arrival per consumer warp). The producer warpgroup then gives up registers (setmaxnreg) so that
-// the consumers can take 240 each: what the overlap below needs, and what kernel.cu, whose every warp both copies
+// the consumers can take 232 each: what the overlap below needs, and what kernel.cu, whose every warp both copies
 // and computes, measured it could not afford (docs/PERF.md, thirty-second run).
 // Each consumer warpgroup runs, per head: Q = norm(x slice) into registers (q_fragments), then over the key tiles
 // FlashAttention-3's intra-warpgroup overlap: tile t's S = Q K^T is issued together with tile t-1's O += P V, and
@@ -27,11 +27,8 @@ static_assert(USE_WGMMA && USE_TMA && ROWSUM_IN_PV && HEAD_DIM == 64 && MASK_KIN
               "the warp-specialised kernel: sm_90 wgmma and bulk copies, d = 64, no mask");
 constexpr int CTA_THREADS = THREADS + 128;  // THREADS (layout.cu) counts the consumer warps
 // setmaxnreg counts: 128 x PRODUCER_REGS + THREADS x CONSUMER_REGS <= 65536 registers of the SM
-constexpr int PRODUCER_REGS = 24, CONSUMER_REGS = 240;
+constexpr int PRODUCER_REGS = 40, CONSUMER_REGS = 232;
 static_assert(WARPS == 8 && 128 * PRODUCER_REGS + THREADS * CONSUMER_REGS <= 65536, "two consumer warpgroups");
-// The next head's first tile behind this head's last P V (consume). The plan's stage with 128-key stages keeps them
-// apart: with both heads' registers live, its q from qraw spills.
-constexpr bool CROSS_HEAD = !(Q_FROM_QRAW || WRITE_O) || BLOCK_N < 128;
 constexpr u32 KV_TILE_BYTES = KV_TILE_ELEMS * 2, X_SLOT_BYTES = X_TILE_ELEMS * 2;
 constexpr int WS_BAR_BYTES = 4 * STAGES * 8;
 // Each consumer warp's own affine slot (q_kstep reads slot index WARP_AFFINE_SLOT0 + warp), after the barriers.
@@ -143,20 +140,13 @@ FN_INLINE void softmax_tile(float (&s)[S_NTILES][4], float (&m)[2], float (&alph
 // Ends ptxas's basic block here. ptxas schedules each block on its own, and inside one it hoists a wgmma wait
 // into the first stall it finds: in the overlap below that is the row maximum's shuffle, which left every
 // exponential after the P V's wait (the warpgroup's P V then overlapped only the maximum). The branch is never
-// taken (Lk >= 1); its body reads every exponential, so that ptxas keeps the block and computes them above it
-// (with an empty body it sank some below the branch). The test reads Lk through an opaque move each time, or the
-// compiler moves it out of the loop (the plan's stage had two copies of the loop, neither with the boundary).
-// tests/test_codegen_compile.py reads the exponentials' place from the machine code.
-template <int N>
-FN_INLINE void block_boundary(int kv_len, const float (&s)[N][4]) {
+// taken (Lk >= 1); the fence only gives its block a body, so that ptxas keeps it. The test reads Lk through an
+// opaque move each time, or the compiler moves it out of the loop (the plan's stage had two copies of the loop,
+// neither with the boundary). tests/test_codegen_compile.py reads the exponentials' place from the machine code.
+FN_INLINE void block_boundary(int kv_len) {
   int opaque;
   asm volatile("mov.b32 %0, %1;\n" : "=r"(opaque) : "r"(kv_len));
-  if (opaque < 0) {
-    float sum = 0.f;
-#pragma unroll
-    for (int nt = 0; nt < N; ++nt) sum += (s[nt][0] + s[nt][1]) + (s[nt][2] + s[nt][3]);
-    asm volatile("{\n .reg .pred p;\n setp.ne.f32 p, %0, 0f00000000;\n @p membar.cta;\n}\n" ::"f"(sum) : "memory");
-  }
+  if (opaque < 0) asm volatile("membar.cta;\n" ::: "memory");
 }
 
 // P as the A operand of O += P V: k-step ks holds keys 16 ks .. 16 ks + 15.
@@ -200,8 +190,8 @@ FN_INLINE void consume(const Params& p, const TmaMaps& maps, WsBars bars, int wa
   float* stat_parts = reinterpret_cast<float*>(smem + OFF_STAT_PARTS);
   const int affine_slot = WARP_AFFINE_SLOT0 + warp;
   Ring kv, xs;
-  // The x slot of a head whose y is being stored, handed back to the producer only once a later head is under way,
-  // so that the wait for the store to have read it costs nothing
+  // The x slot of the head before, handed back to the producer only once this head is under way, so that the wait
+  // for its y store to have read it costs nothing
   int stored_slot = -1;
   auto release_stored_slot = [&]() {
     if (lane == 0 && stored_slot >= 0) {
@@ -222,66 +212,47 @@ FN_INLINE void consume(const Params& p, const TmaMaps& maps, WsBars bars, int wa
     u16* copy_batch = WRITE_O && p.x_copy != nullptr && it.head0 == 0 ? p.x_copy + batch_off : nullptr;
     __syncwarp();  // every lane has read the last item's statistics (a warp past Lq stores no y: no other sync)
     if (warp_rows) row_statistics(p, p.x + batch_off, copy_batch, row0, row_mean, row_rstd, stat_parts, warp, lane);
-    if (!group_rows) {
-      for (int h = it.head0; h < it.head_end; ++h, xs.next()) {
+    for (int h = it.head0; h < it.head_end; ++h, xs.next()) {
+      u16* x_warp = reinterpret_cast<u16*>(smem + OFF_X + xs.slot * X_SLOT_BYTES) + warp * ROWS_PER_WARP * X_ROW_ELEMS;
+      if (!group_rows) {
         mbar_wait(bars.x_full(xs.slot), xs.phase);
-        release_stored_slot();  // an earlier item's last y
+        release_stored_slot();
         for (int t = 0; t < key_tiles; ++t, kv.next()) {
           mbar_wait(bars.full(kv.slot), kv.phase);
           if (lane == 0) mbar_arrive(bars.empty(kv.slot));
         }
         if (lane == 0) mbar_arrive(bars.x_empty(xs.slot));
+        continue;
       }
-      continue;
-    }
-    u32 qf[QK_KSTEPS][4];
-    float s[S_NTILES][4], o[1][O_ACC_NTILES][4], m[2], alpha[2];
-    u32 pa[PV_KSTEPS][4];
-    auto head_inputs = [&](int h, int slot, u32 phase) {  // the x slot's bulk copy and the norm parameters
-      __syncwarp();  // every lane has read the affine slot's last head
+      __syncwarp();  // every lane has read the slot's last head
       load_affine_slot(p, h, smem + OFF_AFFINE + affine_slot * AFFINE_SLOT_BYTES, lane);  // lands during the wait
       cp_async_commit();
-      mbar_wait(bars.x_full(slot), phase);
+      mbar_wait(bars.x_full(xs.slot), xs.phase);
       cp_async_wait<0>();
       __syncwarp();
-    };
-    auto head_q = [&](int h, int slot) {  // Q of head h from its x slot into qf
-      u16* x_warp = reinterpret_cast<u16*>(smem + OFF_X + slot * X_SLOT_BYTES) + warp * ROWS_PER_WARP * X_ROW_ELEMS;
+      u32 qf[1][QK_KSTEPS][4];
       const float* q_rows = Q_FROM_QRAW ? p.qraw + ((long long)it.b * p.q_len + row0) * p.q_ld : nullptr;
       const QSource src = q_source(p, row0, h * HEAD_DIM, row_mean, row_rstd, x_warp, q_rows, affine_slot, lane);
-      u32 (&qf1)[1][QK_KSTEPS][4] = reinterpret_cast<u32 (&)[1][QK_KSTEPS][4]>(qf);
-      q_fragments(p, src, nullptr, qf1, lane);
-    };
-    // y = x + O / l of head h into its x slot, stored by bulk copy
-    auto store_head = [&](int h, int slot) {
-      u16* x_warp = reinterpret_cast<u16*>(smem + OFF_X + slot * X_SLOT_BYTES) + warp * ROWS_PER_WARP * X_ROW_ELEMS;
-      const float l[1][2] = {{o[0][O_NTILES][0], o[0][O_NTILES][2]}};  // rows g and g + 8
-      if (warp_rows) store_output_rows(p, maps, it.b, y_batch, row0, h * HEAD_DIM, o, l, x_warp, lane, bad);
-      stored_slot = slot;
-    };
-    Ring prev;  // the stage whose P V is still to be issued
-    bool primed = false;  // the head's first tile already scored and exponentiated, in the last head's tail
-    for (int h = it.head0; h < it.head_end; ++h, xs.next()) {
-      if (!primed) {
-        head_inputs(h, xs.slot, xs.phase);
-        head_q(h, xs.slot);
-        // The first tile, peeled: no earlier P V to overlap, and every wgmma group's wait on a straight path (a
-        // branch between an issue and its wait makes ptxas serialize them or insert waits)
-        mbar_wait(bars.full(kv.slot), kv.phase);
-        issue_scores(s, qf, kv.slot);
-        wgmma_wait<0>();
-        pin_all(s);
-        softmax_tile<PRESCALE, true>(s, m, alpha, true, min(BLOCK_N, p.kv_len), c, p.scale_log2, lane);
-        pack_p(s, pa);
-        release_stored_slot();
-        prev = kv;
-        kv.next();
-      }
+      q_fragments(p, src, nullptr, qf, lane);
+
+      float s[S_NTILES][4], o[1][O_ACC_NTILES][4], m[2], alpha[2];
+      u32 pa[PV_KSTEPS][4];
+      // The first tile, peeled: no earlier P V to overlap, and every wgmma group's wait on a straight path (a
+      // branch between an issue and its wait makes ptxas serialize them or insert waits)
+      mbar_wait(bars.full(kv.slot), kv.phase);
+      issue_scores(s, qf[0], kv.slot);
+      wgmma_wait<0>();
+      pin_all(s);
+      softmax_tile<PRESCALE, true>(s, m, alpha, true, min(BLOCK_N, p.kv_len), c, p.scale_log2, lane);
+      pack_p(s, pa);
+      release_stored_slot();
+      Ring prev = kv;  // the stage whose P V is still to be issued
+      kv.next();
       // Tile t (t >= 1): its scores issued with tile t-1's P V, its softmax while that P V runs. edge: the last
       // tile (a constant at each call, which inlining folds: no branch is left in the overlap)
       auto step = [&](bool edge, int t) {
         mbar_wait(bars.full(kv.slot), kv.phase);
-        issue_scores(s, qf, kv.slot);
+        issue_scores(s, qf[0], kv.slot);
         if (t > 1) rescale(o[0], alpha);
         issue_output(o[0], pa, prev.slot, t > 1);
         wgmma_wait<1>();  // the scores
@@ -290,7 +261,7 @@ FN_INLINE void consume(const Params& p, const TmaMaps& maps, WsBars bars, int wa
           softmax_tile<PRESCALE, true>(s, m, alpha, false, p.kv_len - t * KV_ROWS, c, p.scale_log2, lane);
         else
           softmax_tile<PRESCALE, false>(s, m, alpha, false, BLOCK_N, c, p.scale_log2, lane);
-        block_boundary(p.kv_len, s);  // the P V's wait stays below the exponentials
+        block_boundary(p.kv_len);  // the P V's wait stays below the exponentials
         wgmma_wait<0>();
         pin_all(o[0]);
         pin_all(pa);
@@ -301,38 +272,16 @@ FN_INLINE void consume(const Params& p, const TmaMaps& maps, WsBars bars, int wa
       };
       for (int t = 1; t < key_tiles - 1; ++t) step(false, t);
       if (key_tiles > 1) step(true, key_tiles - 1);
-      release_stored_slot();  // the last head's y (primed: stored after this head's first tile)
-      if (key_tiles > 1) rescale(o[0], alpha);  // alpha is this head's until the next head's softmax
-      primed = CROSS_HEAD && h + 1 < it.head_end;
-      if (primed) {
-        // Cross-head tail: the next head's Q built while this head's last P V runs, this head's y stored while
-        // the next head's first scores run
-        Ring xs_next = xs;
-        xs_next.next();
-        head_inputs(h + 1, xs_next.slot, xs_next.phase);  // waits before the issues: none between an issue and its wait
-        mbar_wait(bars.full(kv.slot), kv.phase);
-        issue_output(o[0], pa, prev.slot, key_tiles > 1);
-        head_q(h + 1, xs_next.slot);  // while the P V runs
-        issue_scores(s, qf, kv.slot);
-        wgmma_wait<1>();  // the P V
-        pin_all(o[0]);
-        pin_all(pa);
-        if (lane == 0) mbar_arrive(bars.empty(prev.slot));
-        store_head(h, xs.slot);  // while the next head's scores run
-        wgmma_wait<0>();
-        pin_all(s);
-        softmax_tile<PRESCALE, true>(s, m, alpha, true, min(BLOCK_N, p.kv_len), c, p.scale_log2, lane);
-        pack_p(s, pa);
-        prev = kv;
-        kv.next();
-      } else {
-        issue_output(o[0], pa, prev.slot, key_tiles > 1);
-        wgmma_wait<0>();
-        pin_all(o[0]);
-        pin_all(pa);
-        if (lane == 0) mbar_arrive(bars.empty(prev.slot));
-        store_head(h, xs.slot);
-      }
+      if (key_tiles > 1) rescale(o[0], alpha);  // the last tile's P V
+      issue_output(o[0], pa, prev.slot, key_tiles > 1);
+      wgmma_wait<0>();
+      pin_all(o[0]);
+      pin_all(pa);
+      if (lane == 0) mbar_arrive(bars.empty(prev.slot));
+
+      const float l[1][2] = {{o[0][O_NTILES][0], o[0][O_NTILES][2]}};  // rows g and g + 8
+      if (warp_rows) store_output_rows(p, maps, it.b, y_batch, row0, h * HEAD_DIM, o, l, x_warp, lane, bad);
+      stored_slot = xs.slot;
     }
   }
   release_stored_slot();  // (the producer has stopped: only to leave the barriers balanced)
