@@ -5,7 +5,8 @@
 #   one whose library is missing is skipped); ncu: the seed shape under Nsight Compute, with the per-instruction
 #   summary of bench/sass_profile.py; host: host time per op call (bench/host_profile_plan.py, and
 #   bench/host_dispatch.py: the autograd key's share). benchproj, sweep, ab (the sweep against a base tree), ablate,
-#   host, abblock, probe (bench/probe_copies.py: the decode K/V stream alone, per copy form), attn
+#   host, abblock, variants (the block benchmark on main and variant trees in turn, each with its own prebuilt
+#   kernels), probe (bench/probe_copies.py: the decode K/V stream alone, per copy form), attn
 #   (bench/probe_attention.py: FlashAttention-3's main loop alone on the long-key shapes), width (bench/param_width.py:
 #   the norm's parameters as x's type or fp32), sanitize, ncu and choice
 #   (bench/kernel_choice.py: what the default kernel="auto" picks against kernel and Inductor) run only when STEPS
@@ -54,6 +55,21 @@ for step in $STEPS; do
         echo "== this tree, $form, run $rep"; timeout 150 python3 bench/bench_block.py --form $form --shapes ${!shapes:-t5_dec} --no-inductor --out "$OUT/ab_new_$form$rep" 2>&1 | tee "$OUT/abblock_new_$form$rep.log" | grep '^| [a-z]'
         [ -d ab_base ] && { echo "== ab_base, $form, run $rep"; FUSEDNORM_CACHE_DIR=/tmp/fnk_ab_base timeout 150 python3 ab_base/bench/bench_block.py --form $form --shapes ${!shapes:-t5_dec} --no-inductor --out "$OUT/ab_base_$form$rep" 2>&1 | tee "$OUT/abblock_base_$form$rep.log" | grep '^| [a-z]'; }
       done; done ;;
+    variants) # main and variant trees in turn, twice, in one call. ab_base/ and each ab_<name>/ hold `git archive
+      # <commit> fusednorm bench tests pyproject.toml`; a tree's kernels are .kernels.tar.xz (main's prebuild) with
+      # .kernels_<name>.tar.xz unpacked over it: the entries its templates change, from prebuild_kernels.py run in a
+      # copy of main's cache folder with --pack-compiled-only (forty-first run). VARIANT_TESTS="-k ..." first runs
+      # those GPU tests on each variant; VARIANT_SHAPES_noproj / VARIANT_SHAPES_proj name the shapes.
+      out=$(cd "$OUT" && pwd); trees=$(ls -d ab_*/ 2>/dev/null | tr -d /)
+      for t in $trees; do n=${t#ab_}; mkdir -p /tmp/fnk_$n && tar xJf .kernels.tar.xz -C /tmp/fnk_$n
+        if [ -f .kernels_$n.tar.xz ]; then tar xJf .kernels_$n.tar.xz -C /tmp/fnk_$n; fi
+        if [ -n "${VARIANT_TESTS:-}" ] && [ $n != base ]; then echo "== $n: GPU tests $VARIANT_TESTS"
+          (cd $t && PYTHONPATH=$PWD FUSEDNORM_CACHE_DIR=/tmp/fnk_$n timeout 150 python3 -m pytest tests/gpu -q -x -p no:cacheprovider $VARIANT_TESTS 2>&1 | tail -2); fi
+      done
+      for rep in 1 2; do for form in ${VARIANT_FORMS:-noproj proj}; do shapes=VARIANT_SHAPES_$form
+        for t in $trees; do n=${t#ab_}; echo "== $n, $form, run $rep"
+          (cd $t && PYTHONPATH=$PWD FUSEDNORM_CACHE_DIR=/tmp/fnk_$n timeout 90 python3 bench/bench_block.py --form $form --shapes ${!shapes:-whisper_pre} --no-inductor --out "$out/variants_${n}_$form$rep" 2>&1 | grep '^| [a-z]')
+        done; done; done ;;
     sweep) timeout 240 python3 bench/sweep_tiles.py ${SWEEP_SHAPES:+--shapes $SWEEP_SHAPES} ${SWEEP_ONLY:+--only $SWEEP_ONLY} ${SWEEP_CHUNKS:+--chunks $SWEEP_CHUNKS} ${SWEEP_GROUPS:+--groups $SWEEP_GROUPS} ${SWEEP_FORM:+--form $SWEEP_FORM} 2>&1 | tee "$OUT/sweep.log" | tail -40 ;;
     sanitize) for tool in memcheck racecheck; do
         timeout 100 compute-sanitizer --tool $tool python3 tests/gpu/sanitize_kernels.py > "$OUT/$tool.log" 2>&1

@@ -43,6 +43,9 @@ def main():
     p.add_argument("--arch", type=int, default=90)
     p.add_argument("--out", default="/tmp/fnk", help="the kernel cache folder to fill")
     p.add_argument("--pack", default=None, help="also write these kernels' entries into this .tar.xz")
+    p.add_argument("--pack-compiled-only", action="store_true",
+                   help="pack only the entries this run compiled: a variant tree's overlay on main's pack, built in "
+                        "a copy of main's cache folder (device_run.sh's variants step)")
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 2)
     p.add_argument("--expect-nvrtc", default="13.0", help="warn when the NVRTC loaded here is another version")
     args = p.parse_args()
@@ -62,7 +65,8 @@ def main():
     print(f"{len(built)} kernels for sm_{args.arch} in {time.time() - t0:.0f} s ({cached} were cached already)"
           + (f"; spilling: {spilling}" if spilling else ""), flush=True)
     if args.pack:  # written beside it, then renamed: a file that exists is whole (packing takes minutes)
-        entries = sorted(cache.entry_path(s, out) for s in specs)  # not the folder's other entries, if any
+        entries = sorted(cache.entry_path(s, out) for s, (_, from_disk, _) in zip(specs, built)
+                         if not (args.pack_compiled_only and from_disk))  # not the folder's other entries, if any
         print(f"packing {len(entries)} entries into {args.pack} ...", flush=True)
         partial = Path(f"{args.pack}.partial")
         with tarfile.open(partial, "w:xz", preset=6) as tar:
