@@ -5,8 +5,7 @@
 #   one whose library is missing is skipped); ncu: the seed shape under Nsight Compute, with the per-instruction
 #   summary of bench/sass_profile.py; host: host time per op call (bench/host_profile_plan.py, and
 #   bench/host_dispatch.py: the autograd key's share). benchproj, sweep, ab (the sweep against a base tree), ablate,
-#   host, abblock, variants (the block benchmark on main and variant trees in turn, each with its own prebuilt
-#   kernels), probe (bench/probe_copies.py: the decode K/V stream alone, per copy form), attn
+#   host, abblock, probe (bench/probe_copies.py: the decode K/V stream alone, per copy form), attn
 #   (bench/probe_attention.py: FlashAttention-3's main loop alone on the long-key shapes), width (bench/param_width.py:
 #   the norm's parameters as x's type or fp32), sanitize, ncu and choice
 #   (bench/kernel_choice.py: what the default kernel="auto" picks against kernel and Inductor) run only when STEPS
@@ -17,8 +16,9 @@
 #     bash bench/device_run.sh
 #   (models: MODELS=t5,torch MODEL_VARIANTS=inductor,fusednorm_plan,inductor_cg,fusednorm_plan_cg MODELS_TIMEOUT=...)
 #   (ab: AB_SHAPES=sd15_64 AB_ONLY=<tokens> AB_BASE_ONLY=<tokens> AB_FORMS="noproj proj", against ab_base/ if present)
-#   (abblock: bench_block.py on this tree and ab_base/, alternating, twice; AB_SHAPES_noproj=t5_dec,... AB_SHAPES_proj=
-#   ...; ab_base/.kernels.tar.xz, the base tree's prebuilt kernels, if carried)
+#   (abblock: bench_block.py on this tree and each ab_<name>/ tree in turn, twice; AB_SHAPES_noproj=t5_dec,...
+#   AB_SHAPES_proj=...; each tree's kernels: ab_<name>/.kernels.tar.xz if carried, else .kernels.tar.xz with
+#   .kernels_<name>.tar.xz over it; AB_TESTS="-k ..." runs GPU tests in the variant trees first)
 #   (wheels under .whl/ are installed first: carry diffusers there, the GPU machine lacks it; carry .kernels.tar.xz
 #   from bench/prebuild_kernels.py to skip the GPU tests' cold compiles)
 set -u
@@ -49,26 +49,23 @@ for step in $STEPS; do
         echo "== this tree, $form"; timeout 150 python3 bench/sweep_tiles.py --shapes ${AB_SHAPES:-sd15_64} ${AB_ONLY:+--only $AB_ONLY} --form $form 2>&1 | tee "$OUT/ab_$form.log" | tail -8
         [ -d ab_base ] && { echo "== ab_base, $form"; FUSEDNORM_CACHE_DIR=/tmp/fnk_ab_base timeout 150 python3 ab_base/bench/sweep_tiles.py --shapes ${AB_SHAPES:-sd15_64} ${AB_BASE_ONLY:+--only $AB_BASE_ONLY} --form $form 2>&1 | tee "$OUT/ab_base_$form.log" | tail -6; }
       done ;;
-    abblock) [ -f ab_base/.kernels.tar.xz ] && mkdir -p /tmp/fnk_ab_base && tar xJf ab_base/.kernels.tar.xz -C /tmp/fnk_ab_base
-      for rep in 1 2; do for form in ${AB_FORMS:-noproj proj}; do  # the block benchmark, this tree then ab_base's,
-        shapes=AB_SHAPES_$form                                      # twice over: a drift shows as a changed pair
-        echo "== this tree, $form, run $rep"; timeout 150 python3 bench/bench_block.py --form $form --shapes ${!shapes:-t5_dec} --no-inductor --out "$OUT/ab_new_$form$rep" 2>&1 | tee "$OUT/abblock_new_$form$rep.log" | grep '^| [a-z]'
-        [ -d ab_base ] && { echo "== ab_base, $form, run $rep"; FUSEDNORM_CACHE_DIR=/tmp/fnk_ab_base timeout 150 python3 ab_base/bench/bench_block.py --form $form --shapes ${!shapes:-t5_dec} --no-inductor --out "$OUT/ab_base_$form$rep" 2>&1 | tee "$OUT/abblock_base_$form$rep.log" | grep '^| [a-z]'; }
-      done; done ;;
-    variants) # main and variant trees in turn, twice, in one call. ab_base/ and each ab_<name>/ hold `git archive
-      # <commit> fusednorm bench tests pyproject.toml`; a tree's kernels are .kernels.tar.xz (main's prebuild) with
-      # .kernels_<name>.tar.xz unpacked over it: the entries its templates change, from prebuild_kernels.py run in a
-      # copy of main's cache folder with --pack-compiled-only (forty-first run). VARIANT_TESTS="-k ..." first runs
-      # those GPU tests on each variant; VARIANT_SHAPES_noproj / VARIANT_SHAPES_proj name the shapes.
+    abblock) # the block benchmark on this tree and each ab_<name>/ tree (`git archive <commit> fusednorm bench tests
+      # pyproject.toml`), in turn, twice over (a drift shows as a changed pair). A tree's kernels: its own
+      # ab_<name>/.kernels.tar.xz if carried, else main's .kernels.tar.xz with .kernels_<name>.tar.xz unpacked over
+      # it (the entries its templates change: prebuild_kernels.py --pack-compiled-only in a copy of main's cache
+      # folder). AB_TESTS="-k ..." first runs those GPU tests in each tree but ab_base.
       out=$(cd "$OUT" && pwd); trees=$(ls -d ab_*/ 2>/dev/null | tr -d /)
-      for t in $trees; do n=${t#ab_}; mkdir -p /tmp/fnk_$n && tar xJf .kernels.tar.xz -C /tmp/fnk_$n
-        if [ -f .kernels_$n.tar.xz ]; then tar xJf .kernels_$n.tar.xz -C /tmp/fnk_$n; fi
-        if [ -n "${VARIANT_TESTS:-}" ] && [ $n != base ]; then echo "== $n: GPU tests $VARIANT_TESTS"
-          (cd $t && PYTHONPATH=$PWD FUSEDNORM_CACHE_DIR=/tmp/fnk_$n timeout 150 python3 -m pytest tests/gpu -q -x -p no:cacheprovider $VARIANT_TESTS 2>&1 | tail -2); fi
+      for t in $trees; do n=${t#ab_}; mkdir -p /tmp/fnk_$t
+        if [ -f $t/.kernels.tar.xz ]; then tar xJf $t/.kernels.tar.xz -C /tmp/fnk_$t
+        elif [ -f .kernels.tar.xz ]; then tar xJf .kernels.tar.xz -C /tmp/fnk_$t
+          if [ -f .kernels_$n.tar.xz ]; then tar xJf .kernels_$n.tar.xz -C /tmp/fnk_$t; fi; fi
+        if [ -n "${AB_TESTS:-}" ] && [ $t != ab_base ]; then echo "== $t: GPU tests $AB_TESTS"
+          (cd $t && PYTHONPATH=$PWD FUSEDNORM_CACHE_DIR=/tmp/fnk_$t timeout 150 python3 -m pytest tests/gpu -q -x -p no:cacheprovider $AB_TESTS 2>&1 | tail -2); fi
       done
-      for rep in 1 2; do for form in ${VARIANT_FORMS:-noproj proj}; do shapes=VARIANT_SHAPES_$form
-        for t in $trees; do n=${t#ab_}; echo "== $n, $form, run $rep"
-          (cd $t && PYTHONPATH=$PWD FUSEDNORM_CACHE_DIR=/tmp/fnk_$n timeout 90 python3 bench/bench_block.py --form $form --shapes ${!shapes:-whisper_pre} --no-inductor --out "$out/variants_${n}_$form$rep" 2>&1 | grep '^| [a-z]')
+      for rep in 1 2; do for form in ${AB_FORMS:-noproj proj}; do shapes=AB_SHAPES_$form
+        echo "== this tree, $form, run $rep"; timeout 150 python3 bench/bench_block.py --form $form --shapes ${!shapes:-t5_dec} --no-inductor --out "$out/ab_new_$form$rep" 2>&1 | tee "$out/abblock_new_$form$rep.log" | grep '^| [a-z]'
+        for t in $trees; do echo "== $t, $form, run $rep"
+          (cd $t && PYTHONPATH=$PWD FUSEDNORM_CACHE_DIR=/tmp/fnk_$t timeout 150 python3 bench/bench_block.py --form $form --shapes ${!shapes:-t5_dec} --no-inductor --out "$out/${t}_$form$rep" 2>&1 | tee "$out/abblock_${t#ab_}_$form$rep.log" | grep '^| [a-z]')
         done; done; done ;;
     sweep) timeout 240 python3 bench/sweep_tiles.py ${SWEEP_SHAPES:+--shapes $SWEEP_SHAPES} ${SWEEP_ONLY:+--only $SWEEP_ONLY} ${SWEEP_CHUNKS:+--chunks $SWEEP_CHUNKS} ${SWEEP_GROUPS:+--groups $SWEEP_GROUPS} ${SWEEP_FORM:+--form $SWEEP_FORM} 2>&1 | tee "$OUT/sweep.log" | tail -40 ;;
     sanitize) for tool in memcheck racecheck; do

@@ -45,7 +45,7 @@ def main():
     p.add_argument("--pack", default=None, help="also write these kernels' entries into this .tar.xz")
     p.add_argument("--pack-compiled-only", action="store_true",
                    help="pack only the entries this run compiled: a variant tree's overlay on main's pack, built in "
-                        "a copy of main's cache folder (device_run.sh's variants step)")
+                        "a copy of main's cache folder (device_run.sh's abblock step)")
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 2)
     p.add_argument("--expect-nvrtc", default="13.0", help="warn when the NVRTC loaded here is another version")
     args = p.parse_args()
