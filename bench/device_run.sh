@@ -20,7 +20,7 @@
 #   AB_SHAPES_proj=...; each tree's kernels: ab_<name>/.kernels.tar.xz if carried, else .kernels.tar.xz with
 #   .kernels_<name>.tar.xz over it; AB_TESTS="-k ..." runs GPU tests in the variant trees first)
 #   (wheels under .whl/ are installed first: carry diffusers there, the GPU machine lacks it; carry .kernels.tar.xz
-#   from bench/prebuild_kernels.py to skip the GPU tests' cold compiles)
+#   from bench/prebuild_kernels.py to skip cold compiles: every step then loads its kernels from it)
 set -u
 OUT=${OUT:-bench/out}
 STEPS=${STEPS:-gpu bench cpu models}
@@ -30,16 +30,15 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site
 fi
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())"
+if [ -f .kernels.tar.xz ]; then  # kernels compiled ahead by bench/prebuild_kernels.py: every step loads them
+  mkdir -p /tmp/fnk && tar xJf .kernels.tar.xz -C /tmp/fnk && export FUSEDNORM_CACHE_DIR=/tmp/fnk
+  touch /tmp/fnk.unpacked
+  echo "prebuilt kernels: $(ls /tmp/fnk/*.fnk | wc -l), NVRTC here: $(python3 -c 'from fusednorm.codegen import nvrtc; print(nvrtc.nvrtc_version())')"
+fi
 for step in $STEPS; do
   case $step in
-    gpu) cache_env=  # kernels compiled ahead by bench/prebuild_kernels.py, carried as .kernels.tar.xz (gpu step only)
-      if [ -f .kernels.tar.xz ]; then
-        mkdir -p /tmp/fnk && tar xJf .kernels.tar.xz -C /tmp/fnk && cache_env="FUSEDNORM_CACHE_DIR=/tmp/fnk"
-        touch /tmp/fnk.unpacked
-        echo "prebuilt kernels: $(ls /tmp/fnk/*.fnk | wc -l), NVRTC here: $(python3 -c 'from fusednorm.codegen import nvrtc; print(nvrtc.nvrtc_version())')"
-      fi
-      env $cache_env timeout ${GPU_TIMEOUT:-300} python3 -m pytest tests/gpu -q -x -p no:cacheprovider ${GPU_TESTS:-} 2>&1 | tee "$OUT/gpu_tests.log" | tail -4
-      if [ -n "$cache_env" ]; then  # their keys name what bench/prebuild_kernels.py still misses
+    gpu) timeout ${GPU_TIMEOUT:-300} python3 -m pytest tests/gpu -q -x -p no:cacheprovider ${GPU_TESTS:-} 2>&1 | tee "$OUT/gpu_tests.log" | tail -4
+      if [ -f /tmp/fnk.unpacked ]; then  # their keys name what bench/prebuild_kernels.py still misses
         find /tmp/fnk -name '*.fnk' -newer /tmp/fnk.unpacked -printf '%f\n' | sort > "$OUT/compiled_on_device.txt"
         echo "kernels compiled on the device: $(wc -l < "$OUT/compiled_on_device.txt") (keys in compiled_on_device.txt)"
       fi ;;

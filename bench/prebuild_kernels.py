@@ -4,8 +4,8 @@
 
 On the device their cold compiles take ~200 s of the GPU suite's ~250 (docs/PERF.md, tenth run: 48 s with the
 kernels cached). NVRTC runs without a GPU, so they can be compiled here and carried (`run(carry=
-[".kernels.tar.xz"])`); `bench/device_run.sh` unpacks the file for its `gpu` step only (the benchmarks keep
-compiling their own kernels with the device's NVRTC). A cache entry is used only if its fingerprint matches: the
+[".kernels.tar.xz"])`); `bench/device_run.sh` unpacks the file into the kernel cache of every step (a kernel
+the pack lacks is compiled there with the device's NVRTC). A cache entry is used only if its fingerprint matches: the
 kernel source, the NVRTC options and the NVRTC major.minor version. The H200 machines had NVRTC 13.0
 (docs/PERF.md), so compile with that version, e.g. in a virtual environment of its own that sees this one's
 packages:
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 import tarfile
 import time
@@ -46,6 +47,9 @@ def main():
     p.add_argument("--pack-compiled-only", action="store_true",
                    help="pack only the entries this run compiled: a variant tree's overlay on main's pack, built in "
                         "a copy of main's cache folder (device_run.sh's abblock step)")
+    p.add_argument("--match", default=None,
+                   help="only the kernels whose key this regular expression finds, e.g. a variant tree's benchmark "
+                        "kernels (bench/make_ab_trees.sh)")
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 2)
     p.add_argument("--expect-nvrtc", default="13.0", help="warn when the NVRTC loaded here is another version")
     args = p.parse_args()
@@ -57,6 +61,10 @@ def main():
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     specs = list({s.key: s for s in kernel_test_specs(args.arch) + plan_test_specs(args.arch)}.values())
+    if args.match:
+        specs = [s for s in specs if re.search(args.match, s.key)]
+        if not specs:
+            raise SystemExit(f"no kernel key matches {args.match!r}")
     t0 = time.time()
     with ProcessPoolExecutor(args.jobs) as pool:
         built = list(pool.map(_build, [(s, str(out)) for s in specs], chunksize=4))
