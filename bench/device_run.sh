@@ -18,7 +18,8 @@
 #   (ab: AB_SHAPES=sd15_64 AB_ONLY=<tokens> AB_BASE_ONLY=<tokens> AB_FORMS="noproj proj", against ab_base/ if present)
 #   (abblock: bench_block.py on this tree and each ab_<name>/ tree in turn, twice; AB_SHAPES_noproj=t5_dec,...
 #   AB_SHAPES_proj=...; each tree's kernels: ab_<name>/.kernels.tar.xz if carried, else .kernels.tar.xz with
-#   .kernels_<name>.tar.xz over it; AB_TESTS="-k ..." runs GPU tests in the variant trees first)
+#   .kernels_<name>.tar.xz over it; AB_TESTS="-k ..." runs GPU tests in the variant trees first; AB_SWEEP="<args>"
+#   runs bench/sweep_tiles.py <args> in every tree too; bench/make_ab_trees.sh makes the trees and packs)
 #   (wheels under .whl/ are installed first: carry diffusers there, the GPU machine lacks it; carry .kernels.tar.xz
 #   from bench/prebuild_kernels.py to skip cold compiles: every step then loads its kernels from it)
 set -u
@@ -48,11 +49,12 @@ for step in $STEPS; do
         echo "== this tree, $form"; timeout 150 python3 bench/sweep_tiles.py --shapes ${AB_SHAPES:-sd15_64} ${AB_ONLY:+--only $AB_ONLY} --form $form 2>&1 | tee "$OUT/ab_$form.log" | tail -8
         [ -d ab_base ] && { echo "== ab_base, $form"; FUSEDNORM_CACHE_DIR=/tmp/fnk_ab_base timeout 150 python3 ab_base/bench/sweep_tiles.py --shapes ${AB_SHAPES:-sd15_64} ${AB_BASE_ONLY:+--only $AB_BASE_ONLY} --form $form 2>&1 | tee "$OUT/ab_base_$form.log" | tail -6; }
       done ;;
-    abblock) # the block benchmark on this tree and each ab_<name>/ tree (`git archive <commit> fusednorm bench tests
-      # pyproject.toml`), in turn, twice over (a drift shows as a changed pair). A tree's kernels: its own
-      # ab_<name>/.kernels.tar.xz if carried, else main's .kernels.tar.xz with .kernels_<name>.tar.xz unpacked over
-      # it (the entries its templates change: prebuild_kernels.py --pack-compiled-only in a copy of main's cache
-      # folder). AB_TESTS="-k ..." first runs those GPU tests in each tree but ab_base.
+    abblock) # the block benchmark on this tree and each ab_<name>/ tree (bench/make_ab_trees.sh, or `git archive
+      # <commit> fusednorm bench tests pyproject.toml`), in turn, twice over (a drift shows as a changed pair). A
+      # tree's kernels: its own ab_<name>/.kernels.tar.xz if carried, else main's .kernels.tar.xz with
+      # .kernels_<name>.tar.xz unpacked over it (the entries its templates change). AB_TESTS="-k ..." first runs
+      # those GPU tests in each tree but ab_base; AB_SWEEP="--shapes seed --only ..." also runs that tile sweep in
+      # each tree (the variants of a kernel no benchmark shape takes by default).
       out=$(cd "$OUT" && pwd); trees=$(ls -d ab_*/ 2>/dev/null | tr -d /)
       for t in $trees; do n=${t#ab_}; mkdir -p /tmp/fnk_$t
         if [ -f $t/.kernels.tar.xz ]; then tar xJf $t/.kernels.tar.xz -C /tmp/fnk_$t
@@ -61,11 +63,16 @@ for step in $STEPS; do
         if [ -n "${AB_TESTS:-}" ] && [ $t != ab_base ]; then echo "== $t: GPU tests $AB_TESTS"
           (cd $t && PYTHONPATH=$PWD FUSEDNORM_CACHE_DIR=/tmp/fnk_$t timeout 150 python3 -m pytest tests/gpu -q -x -p no:cacheprovider $AB_TESTS 2>&1 | tail -2); fi
       done
-      for rep in 1 2; do for form in ${AB_FORMS:-noproj proj}; do shapes=AB_SHAPES_$form
-        echo "== this tree, $form, run $rep"; timeout 150 python3 bench/bench_block.py --form $form --shapes ${!shapes:-t5_dec} --no-inductor --out "$out/ab_new_$form$rep" 2>&1 | tee "$out/abblock_new_$form$rep.log" | grep '^| [a-z]'
-        for t in $trees; do echo "== $t, $form, run $rep"
-          (cd $t && PYTHONPATH=$PWD FUSEDNORM_CACHE_DIR=/tmp/fnk_$t timeout 150 python3 bench/bench_block.py --form $form --shapes ${!shapes:-t5_dec} --no-inductor --out "$out/${t}_$form$rep" 2>&1 | tee "$out/abblock_${t#ab_}_$form$rep.log" | grep '^| [a-z]')
-        done; done; done ;;
+      ab_bench() {  # this round's benchmarks in the current tree; $1 names it in the logs
+        for form in ${AB_FORMS:-noproj proj}; do shapes=AB_SHAPES_$form
+          echo "== $1, $form, run $rep"; timeout 150 python3 bench/bench_block.py --form $form --shapes ${!shapes:-t5_dec} --no-inductor --out "$out/ab_$1_$form$rep" 2>&1 | tee "$out/abblock_$1_$form$rep.log" | grep '^| [a-z]'
+        done
+        if [ -n "${AB_SWEEP:-}" ]; then echo "== $1, sweep, run $rep"
+          timeout 200 python3 bench/sweep_tiles.py $AB_SWEEP 2>&1 | tee "$out/absweep_$1$rep.log" | grep -E '^[a-z]|^  t[0-9]'; fi
+      }
+      for rep in 1 2; do ab_bench new
+        for t in $trees; do (cd $t && export PYTHONPATH=$PWD FUSEDNORM_CACHE_DIR=/tmp/fnk_$t && ab_bench ${t#ab_}); done
+      done ;;
     sweep) timeout 240 python3 bench/sweep_tiles.py ${SWEEP_SHAPES:+--shapes $SWEEP_SHAPES} ${SWEEP_ONLY:+--only $SWEEP_ONLY} ${SWEEP_CHUNKS:+--chunks $SWEEP_CHUNKS} ${SWEEP_GROUPS:+--groups $SWEEP_GROUPS} ${SWEEP_FORM:+--form $SWEEP_FORM} 2>&1 | tee "$OUT/sweep.log" | tail -40 ;;
     sanitize) for tool in memcheck racecheck; do
         timeout 100 compute-sanitizer --tool $tool python3 tests/gpu/sanitize_kernels.py > "$OUT/$tool.log" 2>&1
