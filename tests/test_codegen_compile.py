@@ -211,7 +211,7 @@ def test_warp_specialised_tile_is_sm90_many_keys_for_plain_blocks():
         assert "setmaxnreg.dec" in src and "attend_tile" not in src
         _, usage, log_text = compile_to_cubin(src, spec.key, 90)
         assert (usage.spill_stores, usage.spill_loads) == (0, 0)
-        assert not any(code in log_text for code in ("C7513", "C7514", "C7517")), log_text
+        assert "serialized" not in log_text, log_text  # any of ptxas's wgmma warnings (C7510-C7517)
     for other in (dict(mask="bool"), dict(head_dim=128)):
         with pytest.raises(ValueError, match="warp-specialised"):
             replace(spec, **other)

@@ -62,5 +62,4 @@ def test_variant_patch_applies_and_its_kernel_compiles_without_spills(patch, tmp
     assert Path(variant["module"]).resolve().is_relative_to(tree.resolve())  # the patched tree's, not this one's
     assert variant["source"] != render(eval(SPEC, {"KernelSpec": KernelSpec, "tile_for": tile_for})), f"{patch.name} does not change the Lk 2048 kernel"
     assert variant["spills"] == 0, f"{patch.name}: {variant['spills']} bytes of spills"
-    serialized = [code for code in ("C7513", "C7514", "C7517") if code in variant["log"]]  # ptxas's wgmma warnings
-    assert not serialized, f"{patch.name}: ptxas serialized the wgmma ({serialized})"
+    assert "instructions are serialized" not in variant["log"], f"{patch.name}: {variant['log']}"  # wgmma: C751x
