@@ -19,10 +19,12 @@ from fusednorm.codegen.spec import KernelSpec, tile_for
 ROOT = Path(__file__).resolve().parents[1]
 PATCHES = sorted((ROOT / "bench" / "variants").glob("*.patch"))
 
-# Run in the patched tree, so that its fusednorm is the one imported: the Lk 2048 block's kernel (bf16, LayerNorm
-# with gamma and beta, no mask, the many_keys warp-specialised tile).
-SPEC = ('KernelSpec("bf16", 64, "layer", True, True, False, "none", False, '
-        'tile_for("many_keys", 64, 90, warp_specialised=True), 90, False)')
+# The Lk 2048 block's kernel: bf16, LayerNorm with gamma and beta, no mask (then the many_keys warp-specialised
+# tile, sm_90, no numerics check)
+SPEC_ARGS = ["bf16", 64, "layer", True, True, False, "none", False]
+
+
+# Run in the patched tree, so that its fusednorm is the one imported
 COMPILE = """
 import json, sys
 sys.path.insert(0, ".")
@@ -30,18 +32,18 @@ import fusednorm
 from fusednorm.codegen.nvrtc import compile_to_cubin
 from fusednorm.codegen.render import render
 from fusednorm.codegen.spec import KernelSpec, tile_for
-spec = SPEC
+spec = KernelSpec(*json.loads(sys.argv[1]), tile_for("many_keys", 64, 90, warp_specialised=True), 90, False)
 source = render(spec)
 _, usage, log = compile_to_cubin(source, spec.key, 90)[:3]
 print(json.dumps({"module": fusednorm.__file__, "source": source,
                   "spills": usage.spill_stores + usage.spill_loads, "log": log}))
-""".replace("SPEC", SPEC)
+"""
 
 
 def _compile_in(tree: Path) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    out = subprocess.run([sys.executable, "-c", COMPILE], cwd=tree, env=env, capture_output=True, text=True,
-                         timeout=600)
+    out = subprocess.run([sys.executable, "-c", COMPILE, json.dumps(SPEC_ARGS)], cwd=tree, env=env,
+                         capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -58,7 +60,8 @@ def test_variant_patch_applies_and_its_kernel_compiles_without_spills(patch, tmp
     assert applied.returncode == 0, f"{patch.name} no longer applies: {applied.stderr}"
     variant = _compile_in(tree)
     assert Path(variant["module"]).resolve().is_relative_to(tree.resolve())  # the patched tree's, not this one's
-    base = render(eval(SPEC, {"KernelSpec": KernelSpec, "tile_for": tile_for}))  # main's, from this checkout
+    tile = tile_for("many_keys", 64, 90, warp_specialised=True)
+    base = render(KernelSpec(*SPEC_ARGS, tile, 90, False))  # main's, from this checkout
     assert variant["source"] != base, f"{patch.name} does not change the Lk 2048 kernel"
     assert variant["spills"] == 0, f"{patch.name}: {variant['spills']} bytes of spills"
     assert "instructions are serialized" not in variant["log"], f"{patch.name}: {variant['log']}"  # wgmma: C751x
