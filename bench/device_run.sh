@@ -58,7 +58,7 @@ for step in $STEPS; do
       out=$(cd "$OUT" && pwd); trees=$(ls -d ab_*/ 2>/dev/null | tr -d /)
       for t in $trees; do n=${t#ab_}; mkdir -p /tmp/fnk_$t
         if [ -f $t/.kernels.tar.xz ]; then tar xJf $t/.kernels.tar.xz -C /tmp/fnk_$t
-        elif [ -f .kernels.tar.xz ]; then tar xJf .kernels.tar.xz -C /tmp/fnk_$t
+        elif [ -f /tmp/fnk.unpacked ]; then cp -a /tmp/fnk/. /tmp/fnk_$t/  # main's pack, unpacked once above
           if [ -f .kernels_$n.tar.xz ]; then tar xJf .kernels_$n.tar.xz -C /tmp/fnk_$t; fi; fi
         if [ -n "${AB_TESTS:-}" ] && [ $t != ab_base ]; then echo "== $t: GPU tests $AB_TESTS"
           (cd $t && PYTHONPATH=$PWD FUSEDNORM_CACHE_DIR=/tmp/fnk_$t timeout 150 python3 -m pytest tests/gpu -q -x -p no:cacheprovider $AB_TESTS 2>&1 | tail -2); fi

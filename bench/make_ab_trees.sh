@@ -20,7 +20,7 @@ for name in "$@"; do
   rm -rf "$tree" "/tmp/fnk_ab_$name" && mkdir "$tree"
   git archive HEAD fusednorm bench tests pyproject.toml | tar -x -C "$tree"
   (cd "$tree" && patch -s -p1 < "$root/$patch_file")
-  echo "== $tree: $(cd "$tree" && diff -rq "$root/fusednorm" fusednorm | wc -l) files differ from HEAD"
+  echo "== $tree: $(cd "$tree" && diff -rq -x __pycache__ "$root/fusednorm" fusednorm | wc -l) files differ from HEAD"
   (cd "$tree" && PYTHONPATH=. "$PYTHON" bench/prebuild_kernels.py --arch 90 --match "$MATCH" \
     --out "/tmp/fnk_ab_$name" --pack "$root/.kernels_$name.tar.xz" | tail -2)
 done
