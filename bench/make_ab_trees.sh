@@ -3,7 +3,7 @@
 # with bench/variants/<name>.patch applied, and .kernels_<name>.tar.xz holds its benchmark kernels compiled ahead, to
 # be unpacked over main's pack on the device. Both are made here, without a GPU; ab_<name>/ is untracked, so it
 # travels with the working tree, and the packs go in run's carry beside .kernels.tar.xz:
-#   PYTHON=/tmp/venv130/bin/python bash bench/make_ab_trees.sh ws_rowsum_adds ws_no_statistics ...
+#   PYTHON=/tmp/venv130/bin/python bash bench/make_ab_trees.sh ws_no_statistics ...
 #   STEPS=abblock AB_FORMS=noproj AB_SHAPES_noproj=seed_lk2048,whisper_pre bash bench/device_run.sh   (on the device)
 # PYTHON must load the device's NVRTC version (13.0: see bench/prebuild_kernels.py). AB_MATCH picks the kernels to
 # compile (a regular expression on their keys; the default: the warp-specialised kernels of the two block forms'
