@@ -34,7 +34,7 @@ def rel_l2(a, b):
 @pytest.mark.parametrize("form", sorted(bb.FORMS))
 def test_every_shape_has_a_target(form):
     f = bb.FORMS[form]
-    assert f.shapes and set(f.shapes) == set(f.target_us)
+    assert f.shapes and set(f.shapes) == set(f.target_us) or form == "noproj_padded" and not f.target_us
     for B, Lq, D, H, Lk in f.shapes.values():
         assert D % H == 0
 
@@ -67,6 +67,23 @@ def test_proj_bytes_and_flops_by_hand():
     gemm = 2 * (2 * 5) * 32 * 32         # one projection: 2 * rows * D * D
     attn = 2 * (2 * 2 * 4 * 5 * 7 * 8)   # QK^T and PV: 2 * B * H * Lq * Lk * d each
     assert f.flops(TINY) == 2 * gemm + attn
+
+
+def test_padded_form_masks_a_prefix_of_at_least_three_quarters_of_the_keys_per_batch_item():
+    """noproj_padded: the noproj block with a bool key-padding mask [B, 1, 1, Lk]; eager applies it (a key past an
+    item's prefix changes nothing), and its bytes are noproj's plus one per mask element."""
+    f, shape = bb.PaddedForm(), (6, 5, 32, 4, 40)
+    t = f.make_inputs(shape, torch.float32, torch.Generator().manual_seed(0))
+    m = t["mask"]
+    assert m.dtype == torch.bool and m.shape == (6, 1, 1, 40)
+    kept = m[:, 0, 0].sum(1)
+    assert (kept >= 30).all() and torch.equal(m[:, 0, 0], torch.arange(40)[None, :] < kept[:, None])
+    short = int(kept.argmin())
+    v2 = t["v"].clone()
+    v2[short, :, int(kept[short]):] = 1e3  # values of masked keys: no effect
+    assert torch.equal(f.eager(**{**t, "v": v2}), f.eager(**t))
+    assert f.bytes_moved(shape, torch.bfloat16) == bb.NoProjForm().bytes_moved(shape, torch.bfloat16) + 6 * 40
+    assert set(f.shapes) <= set(bb.NoProjForm.shapes) and f.flops(shape) == bb.NoProjForm().flops(shape)
 
 
 def test_noproj_bytes_and_flops_unchanged():
