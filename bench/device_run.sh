@@ -18,8 +18,9 @@
 #   (ab: AB_SHAPES=sd15_64 AB_ONLY=<tokens> AB_BASE_ONLY=<tokens> AB_FORMS="noproj proj", against ab_base/ if present)
 #   (abblock: bench_block.py on this tree and each ab_<name>/ tree in turn, twice; AB_SHAPES_noproj=t5_dec,...
 #   AB_SHAPES_proj=...; each tree's kernels: ab_<name>/.kernels.tar.xz if carried, else .kernels.tar.xz with
-#   .kernels_<name>.tar.xz over it; AB_TESTS="-k ..." runs GPU tests in the variant trees first; AB_SWEEP="<args>"
-#   runs bench/sweep_tiles.py <args> in every tree too; bench/make_ab_trees.sh makes the trees and packs)
+#   .kernels_<name>.tar.xz over it; AB_TESTS="<pytest -k expression>" runs those GPU tests in the variant trees
+#   first; AB_SWEEP="<args>" runs bench/sweep_tiles.py <args> in every tree too; bench/make_ab_trees.sh makes the
+#   trees and packs)
 #   (wheels under .whl/ are installed first: carry diffusers there, the GPU machine lacks it; carry .kernels.tar.xz
 #   from bench/prebuild_kernels.py to skip cold compiles: every step then loads its kernels from it)
 set -u
@@ -52,8 +53,8 @@ for step in $STEPS; do
     abblock) # the block benchmark on this tree and each ab_<name>/ tree (bench/make_ab_trees.sh, or `git archive
       # <commit> fusednorm bench tests pyproject.toml`), in turn, twice over (a drift shows as a changed pair). A
       # tree's kernels: its own ab_<name>/.kernels.tar.xz if carried, else main's .kernels.tar.xz with
-      # .kernels_<name>.tar.xz unpacked over it (the entries its templates change). AB_TESTS="-k ..." first runs
-      # those GPU tests in each tree but ab_base; AB_SWEEP="--shapes seed --only ..." also runs that tile sweep in
+      # .kernels_<name>.tar.xz unpacked over it (the entries its templates change). AB_TESTS="<-k expression>" first
+      # runs those GPU tests in each tree but ab_base; AB_SWEEP="--shapes seed --only ..." also runs that tile sweep in
       # each tree (the variants of a kernel no benchmark shape takes by default).
       out=$(cd "$OUT" && pwd); trees=$(ls -d ab_*/ 2>/dev/null | tr -d /)
       for t in $trees; do n=${t#ab_}; mkdir -p /tmp/fnk_$t
@@ -61,7 +62,7 @@ for step in $STEPS; do
         elif [ -f /tmp/fnk.unpacked ]; then cp -a /tmp/fnk/. /tmp/fnk_$t/  # main's pack, unpacked once above
           if [ -f .kernels_$n.tar.xz ]; then tar xJf .kernels_$n.tar.xz -C /tmp/fnk_$t; fi; fi
         if [ -n "${AB_TESTS:-}" ] && [ $t != ab_base ]; then echo "== $t: GPU tests $AB_TESTS"
-          (cd $t && PYTHONPATH=$PWD FUSEDNORM_CACHE_DIR=/tmp/fnk_$t timeout 150 python3 -m pytest tests/gpu -q -x -p no:cacheprovider $AB_TESTS 2>&1 | tail -2); fi
+          (cd $t && PYTHONPATH=$PWD FUSEDNORM_CACHE_DIR=/tmp/fnk_$t timeout 150 python3 -m pytest tests/gpu -q -x -p no:cacheprovider -k "$AB_TESTS" 2>&1 | tail -2); fi
       done
       ab_bench() {  # this round's benchmarks in the current tree; $1 names it in the logs
         for form in ${AB_FORMS:-noproj proj}; do shapes=AB_SHAPES_$form

@@ -55,7 +55,8 @@ def test_there_are_variant_patches():
 @pytest.mark.parametrize("patch", PATCHES, ids=lambda p: p.stem)
 def test_variant_patch_applies_and_its_kernel_compiles_without_spills(patch, tmp_path):
     tree = tmp_path / "tree"
-    shutil.copytree(ROOT / "fusednorm", tree / "fusednorm", ignore=shutil.ignore_patterns("__pycache__"))
+    for part in ("fusednorm", "bench", "tests"):  # what bench/make_ab_trees.sh puts in a tree
+        shutil.copytree(ROOT / part, tree / part, ignore=shutil.ignore_patterns("__pycache__", "out"))
     applied = subprocess.run(["git", "apply", "-p1", str(patch)], cwd=tree, capture_output=True, text=True)
     assert applied.returncode == 0, f"{patch.name} no longer applies: {applied.stderr}"
     variant = _compile_in(tree)
