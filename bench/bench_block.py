@@ -82,7 +82,8 @@ def _qkv_inputs(shape, dtype, gen):
 
 
 class NoProjForm(Form):
-    """y = x + MHA(layer_norm(x) split into heads, k, v); k/v arrive as [B, Lk, H, d] viewed as [B, H, Lk, d]."""
+    """y = x + MHA(layer_norm(x) split into heads, k, v); k/v arrive as [B, Lk, H, d] viewed as [B, H, Lk, d] (and a
+    mask, if the inputs carry one: PaddedForm)."""
 
     name = "noproj"
     shapes = {
@@ -100,15 +101,15 @@ class NoProjForm(Form):
     def make_inputs(self, shape, dtype, gen):
         return _qkv_inputs(shape, dtype, gen)
 
-    def eager(self, x, k, v, gamma, beta):
+    def eager(self, x, k, v, gamma, beta, mask=None):
         B, Lq, D = x.shape
         H, d = k.shape[1], k.shape[3]
         h = F.layer_norm(x, (D,), gamma, beta, 1e-5)
-        a = F.scaled_dot_product_attention(h.view(B, Lq, H, d).transpose(1, 2), k, v)
+        a = F.scaled_dot_product_attention(h.view(B, Lq, H, d).transpose(1, 2), k, v, attn_mask=mask)
         return x + a.transpose(1, 2).reshape(B, Lq, D)
 
-    def fused(self, x, k, v, gamma, beta):
-        return fusednorm.fused_pre_norm_cross_attn(x, k, v, gamma, beta, 1e-5)
+    def fused(self, x, k, v, gamma, beta, mask=None):
+        return fusednorm.fused_pre_norm_cross_attn(x, k, v, gamma, beta, 1e-5, mask=mask)
 
     def expects_kernel(self, shape):
         return True  # every head dim in the table (64) has a generated kernel
@@ -187,17 +188,7 @@ class PaddedForm(NoProjForm):
         B, Lk = shape[0], shape[4]
         keep = torch.randint(Lk * 3 // 4, Lk + 1, (B,), device=gen.device, generator=gen)
         mask = (torch.arange(Lk, device=gen.device)[None, :] < keep[:, None])[:, None, None, :]
-        return dict(_qkv_inputs(shape, dtype, gen), mask=mask)
-
-    def eager(self, x, k, v, gamma, beta, mask):
-        B, Lq, D = x.shape
-        H, d = k.shape[1], k.shape[3]
-        h = F.layer_norm(x, (D,), gamma, beta, 1e-5)
-        a = F.scaled_dot_product_attention(h.view(B, Lq, H, d).transpose(1, 2), k, v, attn_mask=mask)
-        return x + a.transpose(1, 2).reshape(B, Lq, D)
-
-    def fused(self, x, k, v, gamma, beta, mask):
-        return fusednorm.fused_pre_norm_cross_attn(x, k, v, gamma, beta, 1e-5, mask=mask)
+        return dict(_qkv_inputs(shape, dtype, gen), mask=mask)  # eager and fused take it as an argument
 
     def bytes_moved(self, shape, dtype):
         return super().bytes_moved(shape, dtype) + shape[0] * shape[4]  # and the mask's bytes
