@@ -79,6 +79,7 @@ def test_padded_form_masks_a_prefix_of_at_least_three_quarters_of_the_keys_per_b
     kept = m[:, 0, 0].sum(1)
     assert (kept >= 30).all() and torch.equal(m[:, 0, 0], torch.arange(40)[None, :] < kept[:, None])
     short = int(kept.argmin())
+    assert kept[short] < 40  # (seeded) some keys of that item are masked, so the check below can fail
     v2 = t["v"].clone()
     v2[short, :, int(kept[short]):] = 1e3  # values of masked keys: no effect
     assert torch.equal(f.eager(**{**t, "v": v2}), f.eager(**t))
